@@ -1,0 +1,65 @@
+"""The root config schema. Plain dataclasses (no Hydra import): `pipeline/run.py` registers them in
+Hydra's ConfigStore, YAML groups in `conf/` extend them, and logic modules receive the typed objects."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pipeline.data.config import DataConfig, SourceConfig  # noqa: F401  (re-exported)
+from pipeline.eval.config import EvalConfig
+from pipeline.export.config import ExportConfig
+from pipeline.hidden_states.config import DumpConfig
+from pipeline.regen.config import RegenConfig
+from pipeline.target import TargetConfig  # noqa: F401  (re-exported)
+from pipeline.train.config import HeadConfig, TrainConfig
+
+STAGES = ("regen", "dump", "train", "eval", "export")
+
+
+@dataclass
+class WandbConfig:
+    project: str = "eaglet"
+    entity: Optional[str] = None
+    mode: str = "offline"  # online | offline | disabled
+    dir: Optional[str] = None  # default: the stage's output directory
+
+
+@dataclass
+class EagletConfig:
+    stage: str = "all"  # regen | dump | train | eval | export | all
+    # Experiment name; defaults to the selected `experiment` config group option.
+    name: str = "demo"
+    output_root: str = "outputs"
+    seed: int = 0
+    log_level: str = "INFO"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    dump: DumpConfig = field(default_factory=DumpConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    # Output layout: regen/dump per experiment; train/eval/export per head, so heads never collide.
+    @property
+    def experiment_dir(self) -> Path:
+        return Path(self.output_root) / self.name
+
+    def stage_dir(self, stage: str) -> Path:
+        if stage in ("regen", "dump"):
+            return self.experiment_dir / stage
+        if stage in ("train", "export"):
+            return self.experiment_dir / stage / self.head.name
+        if stage == "eval":
+            return self.experiment_dir / "eval" / self.head.name / self.eval_run_name
+        raise ValueError(f"unknown stage {stage!r}")
+
+    @property
+    def eval_run_name(self) -> str:
+        if self.eval.run_name:
+            return self.eval.run_name
+        stem = Path(self.eval.questions).stem if self.eval.questions else "demo_questions"
+        return f"{stem}-T{self.eval.temperature:g}"

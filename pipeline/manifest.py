@@ -1,0 +1,113 @@
+"""Stage manifests: every stage ends by writing `manifest.json`; the next stage loads its input's
+manifest and refuses a mismatch with a message naming both sides."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ManifestError(RuntimeError):
+    pass
+
+
+def code_version() -> str:
+    """git describe of the eaglet checkout (with -dirty), or the package version when not in git."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=here,
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"eaglet-{version('eaglet')}"
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def digest_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings: dict,
+                   inputs: Iterable[Path] = (), **extra: Any) -> Path:
+    """Atomically writes out_dir/manifest.json. `inputs` are the input stage directories whose manifests
+    this stage consumed; their digests pin exactly which version was read."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "stage": stage,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "code_version": code_version(),
+        "config": to_plain(config),
+        "inputs": [{"path": str(p), "manifest_sha256": digest_file(Path(p) / MANIFEST)} for p in inputs],
+        "counts": to_plain(counts),
+        "timings": to_plain(timings),
+        **to_plain(extra),
+    }
+    path = out_dir / MANIFEST
+    tmp = out_dir / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_manifest(stage_dir: Path, expect_stage: Optional[str] = None) -> dict:
+    path = Path(stage_dir) / MANIFEST
+    if not path.is_file():
+        raise ManifestError(f"{path}: no manifest; run the {expect_stage or 'previous'} stage first "
+                            f"(a stage writes its manifest only when it completes)")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}: not valid JSON ({e})") from e
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ManifestError(f"{path}: schema_version {doc.get('schema_version')} but this eaglet reads "
+                            f"{SCHEMA_VERSION}; rerun that stage with this version")
+    if expect_stage and doc.get("stage") != expect_stage:
+        raise ManifestError(f"{path}: written by stage {doc.get('stage')!r}, expected {expect_stage!r}")
+    return doc
+
+
+def check_equal(what: str, ours: Any, theirs: Any, ours_label: str, theirs_label: str) -> None:
+    """Refuses a mismatch with a message that names both sides."""
+    if ours != theirs:
+        raise ManifestError(
+            f"{what} mismatch:\n  {ours_label}: {json.dumps(to_plain(ours), sort_keys=True)}\n"
+            f"  {theirs_label}: {json.dumps(to_plain(theirs), sort_keys=True)}")
+
+
+FINGERPRINT_KEYS = ("config_digest", "tokenizer_digest", "weights_digest")
+
+
+def check_target(fingerprint: dict, manifest: dict, manifest_path: Path, what: str = "target") -> None:
+    """The input was made with the same target (architecture, tokenizer + chat template, weights)."""
+    theirs = manifest.get("target") or {}
+    for key in FINGERPRINT_KEYS:
+        check_equal(f"{what} {key.replace('_', ' ')}", fingerprint.get(key), theirs.get(key),
+                    f"current target {fingerprint.get('name')} ({fingerprint.get('source')})",
+                    f"{manifest_path} (target {theirs.get('name')}, {theirs.get('source')})")

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class OpenAIBackendConfig:
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = "default"
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 8
+    timeout_s: float = 120.0
+    max_retries: int = 4
+    backoff_s: float = 1.0
+
+
+@dataclass
+class RegenConfig:
+    backend: str = "hf"  # hf | openai
+    batch_size: int = 16
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    limit: Optional[int] = None  # first N conversations of the input (None: all)
+    batches_per_shard: int = 4
+    on_degenerate: str = "flag"  # flag | drop (empty answers, answers cut at max_new_tokens)
+    openai: OpenAIBackendConfig = field(default_factory=OpenAIBackendConfig)

