@@ -1,0 +1,56 @@
+"""Target loading: the GGUF is dequantized once into a cache; later loads are fast and identical."""
+import time
+
+import pytest
+import torch
+
+from pipeline.target import TargetConfig, load_target, resolve_dtype, weights_digest
+
+
+def test_local_hf_directory_and_fingerprint(tiny_model_dir, tmp_path):
+    t = load_target(TargetConfig(name="tiny", path=str(tiny_model_dir), gguf_package=None, cache_dir=str(tmp_path)))
+    assert t.device.type == "cpu" and t.dtype == torch.float32
+    fp = t.fingerprint
+    assert fp["config"]["num_hidden_layers"] == 8 and len(fp["weights_digest"]) == 16
+    again = load_target(TargetConfig(name="tiny", path=str(tiny_model_dir), gguf_package=None))
+    assert again.fingerprint["weights_digest"] == fp["weights_digest"]
+    with torch.no_grad():
+        t.model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    assert weights_digest(t.model) != fp["weights_digest"]
+
+
+def test_missing_paths_are_clear():
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_target(TargetConfig(path="/nonexistent/model.gguf"))
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_target(TargetConfig(path="./nope"))
+    with pytest.raises(FileNotFoundError, match="is not installed"):
+        load_target(TargetConfig(path="", gguf_package="no_such_pkg_eaglet"))
+    with pytest.raises(ValueError, match="target.dtype"):
+        resolve_dtype("float8", torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_gguf_cache_is_fast_and_exact(tmp_path):
+    cfg = TargetConfig(cache_dir=str(tmp_path))
+    t0 = time.perf_counter()
+    first = load_target(cfg)
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cached = load_target(cfg)
+    cached_s = time.perf_counter() - t0
+    print(f"\nfirst (dequantizing) load {first_s:.2f} s, cached load {cached_s:.2f} s, "
+          f"ratio {first_s / cached_s:.1f}x")
+    assert first_s >= 5 * cached_s
+    cfgd = first.model.config
+    assert (cfgd.num_hidden_layers, cfgd.hidden_size, cfgd.vocab_size) == (30, 576, 49152)
+    # The reference: the GGUF dequantized by transformers directly, without our cache.
+    from transformers import AutoModelForCausalLM
+    from pipeline.target import packaged_gguf
+    gguf = packaged_gguf(cfg.gguf_package, cfg.gguf_file)
+    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = cached.tokenizer("Speculative decoding is lossless.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(cached.model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+    assert cached.fingerprint == first.fingerprint
+    assert cached.tokenizer.chat_template and "<|im_start|>" in cached.tokenizer.chat_template
