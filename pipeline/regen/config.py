@@ -26,4 +26,9 @@ class RegenConfig:
     limit: Optional[int] = None  # first N conversations of the input (None: all)
     batches_per_shard: int = 4
     on_degenerate: str = "flag"  # flag | drop (empty answers, answers cut at max_new_tokens)
+    # A directory holding a different run (input, plan, generation settings, target) is refused unless set.
+    overwrite: bool = False
+    # Rank 0 waits this long for the other ranks' shards before giving up on the manifest.
+    wait_timeout_s: float = 3600.0
+    progress: bool = True
     openai: OpenAIBackendConfig = field(default_factory=OpenAIBackendConfig)

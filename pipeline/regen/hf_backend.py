@@ -1,0 +1,112 @@
+"""In-process batched generation with the target (`regen.backend=hf`).
+
+Prompts of a wave are left-padded into one batch; `generate` derives position ids from the attention mask,
+so a padded row sees the same positions and keys as when it runs alone (at temperature 0 its answer does not
+depend on its batch-mates, up to floating-point near-ties; the plan fixes batch composition, so reruns are
+exact either way). Generation stops per row at EOS or the chat template's end-of-turn token.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Union
+
+import torch
+
+from pipeline.data.chat import render_prompt, tokenize_conversation
+from pipeline.regen.batching import RegenItem, derive_seed
+from pipeline.regen.waves import Answer, Failure, Request
+from pipeline.target import Target
+
+log = logging.getLogger(__name__)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the template puts right after an assistant message (ChatML `<|im_end|>`, Llama-3
+    `<|eot_id|>`): the last token of a probe turn's loss mask, which covers content + end-of-turn."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    tokenized = tokenize_conversation(tokenizer, probe)
+    masked = [t for t, m in zip(tokenized.input_ids, tokenized.loss_mask) if m]
+    return masked[-1] if masked and masked[-1] in _special_ids(tokenizer) else None
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    ids = set()
+    for eos in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    eot = end_of_turn_id(tokenizer)
+    if eot is not None:
+        ids.add(eot)
+    if not ids:
+        raise ValueError("target has no EOS or end-of-turn token: generation could never stop")
+    return sorted(ids)
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, target: Target, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0):
+        if max_new_tokens < 1:
+            raise ValueError(f"regen.max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.model, self.tokenizer, self.device = target.model, target.tokenizer, target.device
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.generate_kwargs = dict(
+            max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+            do_sample=temperature > 0, repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1)
+        if temperature > 0:
+            # top_k=0: no top-k cut; otherwise the model's or HF's default (50) would silently apply.
+            self.generate_kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return render_prompt(self.tokenizer, messages)
+
+    def prompt_length(self, item: RegenItem) -> int:
+        return len(self.prompt_ids(item.first_prompt()))
+
+    def generate(self, requests: list[Request]) -> list[Union[Answer, Failure]]:
+        prompts = [self.prompt_ids(r.messages) for r in requests]
+        results: list[Union[Answer, Failure, None]] = [None] * len(requests)
+        runnable = []
+        for i, ids in enumerate(prompts):
+            if self.max_positions and len(ids) + self.max_new_tokens > self.max_positions:
+                results[i] = Failure("prompt_too_long", f"{len(ids)} prompt tokens + max_new_tokens "
+                                     f"{self.max_new_tokens} > max_position_embeddings {self.max_positions}")
+            else:
+                runnable.append(i)
+        if runnable:
+            seed = derive_seed(*(requests[i].seed for i in runnable))
+            rows = self._generate_ids([prompts[i] for i in runnable], seed)
+            for i, row in zip(runnable, rows):
+                results[i] = self._answer(row)
+        return results
+
+    @torch.inference_mode()
+    def _generate_ids(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):  # left padding: every row's last prompt token is at column width-1
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # seeded per wave without touching the caller's RNG
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=input_ids.to(self.device),
+                                      attention_mask=attention_mask.to(self.device), **self.generate_kwargs)
+        return out[:, width:].tolist()  # [B, new]: generated ids, pad after a row stopped
+
+    def _answer(self, new_ids: list[int]) -> Answer:
+        stop = next((t for t, tok in enumerate(new_ids) if tok in self.stop_ids), None)
+        if stop is None:
+            content, n_tokens, finish = new_ids[:self.max_new_tokens], min(len(new_ids), self.max_new_tokens), "length"
+        else:
+            content, n_tokens, finish = new_ids[:stop], stop + 1, "stop"
+        text = self.tokenizer.decode(content, skip_special_tokens=True)
+        return Answer(text=text, n_tokens=n_tokens, finish_reason=finish)

@@ -1,0 +1,205 @@
+"""Stage regen: every user turn of the input answered by the target itself (see docs/design.md).
+
+Reads the data sources, plans batches over the whole input, generates this rank's missing shards, and on
+rank 0 waits for every shard and writes the manifest. Logic lives in batching / waves / *_backend / shards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.config import EagletConfig
+from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.readers import read_sources
+from pipeline.dist import RankInfo, rank_info, shard_for_rank
+from pipeline.manifest import FINGERPRINT_KEYS, write_manifest
+from pipeline.regen.batching import Plan, RegenItem, make_plan, to_items
+from pipeline.regen.config import RegenConfig
+from pipeline.regen.shards import RegenDir, sum_stats
+from pipeline.regen.waves import ON_DEGENERATE, regen_batch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("hf", "openai")
+
+
+def main(cfg: EagletConfig) -> Optional[dict]:
+    """Returns the run summary on rank 0 (None on other ranks)."""
+    rcfg = cfg.regen
+    _check(rcfg)
+    info = rank_info()
+    t0 = time.time()
+    report = BadRecordReport()
+    items = to_items(read_sources(cfg.data, report), cfg.data.system_prompt, rcfg.limit)
+    if report.total:
+        log.warning("%s", report.summary())
+    if not items:
+        raise ValueError("regen: the data sources hold no usable conversation")
+
+    backend, fingerprint, generation = make_backend(cfg, info)
+    plan = make_plan(items, rcfg.batch_size, rcfg.batches_per_shard, backend.prompt_length)
+    out = RegenDir(cfg.stage_dir("regen"))
+    identity = {"plan": plan.digest, "conversations": len(items), "batches": plan.n_batches,
+                "generation": {k: v for k, v in generation.items() if k != "base_url"},
+                "target": {k: fingerprint.get(k) for k in FINGERPRINT_KEYS}}
+    resumed = out.claim(identity, rcfg.overwrite, single_rank=info.world_size == 1)
+    if info.world_size == 1:
+        out.remove_stale_tmp()
+    log.info("regen rank %d/%d: %d conversations, %d batches, %d shards -> %s%s", info.rank, info.world_size,
+             len(items), plan.n_batches, plan.n_shards, out.root, " (resuming)" if resumed else "")
+    if plan.n_shards < info.world_size:
+        log.warning("only %d shards for %d ranks: lower regen.batches_per_shard or batch_size to use them all",
+                    plan.n_shards, info.world_size)
+
+    try:
+        fresh = run_rank(out, plan, items, backend, rcfg, info)
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
+    log.info("regen rank %d, this run: %s", info.rank, describe(fresh))
+    if not info.is_main:
+        return None
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    markers = out.wait_for_shards(plan.n_shards, rcfg.wait_timeout_s)
+    summary = write_regen_manifest(cfg, out, markers, report, fingerprint, generation, plan, time.time() - t0)
+    log.info("regen done: %s", describe(summary))
+    return summary
+
+
+def _check(rcfg: RegenConfig) -> None:
+    if rcfg.backend not in BACKENDS:
+        raise ValueError(f"regen.backend must be one of {BACKENDS}, got {rcfg.backend!r}")
+    if rcfg.on_degenerate not in ON_DEGENERATE:
+        raise ValueError(f"regen.on_degenerate must be one of {ON_DEGENERATE}, got {rcfg.on_degenerate!r}")
+    if rcfg.temperature < 0 or not 0 < rcfg.top_p <= 1:
+        raise ValueError(f"regen.temperature must be >= 0 and 0 < top_p <= 1 (got {rcfg.temperature}, {rcfg.top_p})")
+
+
+def make_backend(cfg: EagletConfig, info: RankInfo):
+    """(backend, target fingerprint, generation parameters)."""
+    rcfg = cfg.regen
+    generation = {"backend": rcfg.backend, "max_new_tokens": rcfg.max_new_tokens, "temperature": rcfg.temperature,
+                  "top_p": rcfg.top_p, "seed": rcfg.seed, "batch_size": rcfg.batch_size,
+                  "batches_per_shard": rcfg.batches_per_shard, "on_degenerate": rcfg.on_degenerate,
+                  "system_prompt": cfg.data.system_prompt}
+    if rcfg.backend == "hf":
+        from pipeline.regen.hf_backend import HFBackend
+        from pipeline.target import load_target
+
+        target = load_target(_rank_device(cfg, info))
+        backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p)
+        generation["stop_token_ids"] = backend.stop_ids
+        return backend, target.fingerprint, generation
+
+    from pipeline.regen.openai_backend import OpenAIBackend
+    from pipeline.target import load_tokenizer
+
+    fingerprint = served_fingerprint(cfg)
+    backend = OpenAIBackend(rcfg.openai, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p,
+                            tokenizer=load_tokenizer(cfg.target))
+    generation.update(served_model=backend.model, base_url=backend.base_url)
+    return backend, fingerprint, generation
+
+
+def _rank_device(cfg: EagletConfig, info: RankInfo):
+    # One GPU per rank: `auto`/`cuda` would put every rank of a node on cuda:0.
+    if info.world_size > 1 and cfg.target.device in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank)
+        return dataclasses.replace(cfg.target, device=f"cuda:{info.local_rank}")
+    return cfg.target
+
+
+def served_fingerprint(cfg: EagletConfig) -> dict:
+    """`compute_fingerprint`'s fields for the configured target (what the served model must be), from its config
+    and tokenizer only: the weights that generate are on the server, so `weights_digest` is None rather than a
+    digest of local weights that did not generate."""
+    from transformers import AutoConfig
+
+    from pipeline.target import config_summary, load_tokenizer, materialize, tokenizer_digest
+
+    location, source = materialize(cfg.target)
+    summary = config_summary(AutoConfig.from_pretrained(location, revision=cfg.target.revision))
+    return {"name": cfg.target.name, "source": source, "hub_id": cfg.target.hub_id, "config": summary,
+            "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
+            "tokenizer_digest": tokenizer_digest(load_tokenizer(cfg.target)), "weights_digest": None,
+            "served": {"base_url": cfg.regen.openai.base_url, "model": cfg.regen.openai.model}}
+
+
+def run_rank(out: RegenDir, plan: Plan, items: list[RegenItem], backend, rcfg: RegenConfig, info: RankInfo) -> dict:
+    """Generates this rank's unfinished shards; returns the stats of what it generated now."""
+    shards = list(shard_for_rank(plan.n_shards, info))
+    todo = []
+    for s in shards:
+        if out.shard_done(s):
+            out.drop_batches(plan.shard_batches(s))  # left over by a kill right after the done-marker
+        else:
+            todo.append(s)
+    fresh: list[dict] = []
+    bar = tqdm(total=sum(plan.shard_size(s) for s in todo), unit="conv", desc=f"regen r{info.rank}",
+               disable=not rcfg.progress, mininterval=2.0, dynamic_ncols=True)
+    with bar:
+        for s in todo:
+            results = []
+            for b in plan.shard_batches(s):
+                result = out.load_batch(b)
+                if result is None:
+                    result = regen_batch(backend, [items[i] for i in plan.batches[b]], rcfg.seed, rcfg.on_degenerate)
+                    out.save_batch(b, result)
+                    fresh.append(result.stats)
+                    done = sum_stats(fresh)
+                    bar.set_postfix(tok_s=f"{done['tokens'] / max(done['generation_s'], 1e-9):.0f}",
+                                    tokens=done["tokens"], refresh=False)
+                results.append(result)
+                bar.update(len(plan.batches[b]))
+            out.finish_shard(s, plan.shard_batches(s), results, info.rank)
+    return sum_stats(fresh)
+
+
+def describe(stats: dict) -> str:
+    if not stats:
+        return "nothing to generate (all shards already done)"
+    tok_s = stats.get("tokens", 0) / max(stats.get("generation_s", 0.0), 1e-9)
+    degenerate = ", ".join(f"{k} {v}" for k, v in sorted(stats.get("degenerate_turns", {}).items())) or "none"
+    failures = ", ".join(f"{k} {v}" for k, v in sorted(stats.get("failures_by_reason", {}).items())) or "none"
+    return (f"{stats.get('conversations', 0)} conversations ({stats.get('written', 0)} written), "
+            f"{stats.get('turns', 0)} turns, {stats.get('tokens', 0)} tokens generated in "
+            f"{stats.get('generation_s', 0.0):.1f} s = {tok_s:.1f} tok/s; degenerate turns: {degenerate} "
+            f"({stats.get('dropped_degenerate', 0)} conversations dropped); failed conversations: "
+            f"{stats.get('failed', 0)} ({failures})")
+
+
+def write_regen_manifest(cfg: EagletConfig, out: RegenDir, markers: list[dict], report: BadRecordReport,
+                         fingerprint: dict, generation: dict, plan: Plan, wall_s: float) -> dict:
+    total = sum_stats([m["stats"] for m in markers])
+    counts = {
+        "conversations_in": total.get("conversations", 0),
+        "conversations": total.get("written", 0),
+        "turns": total.get("turns", 0),
+        "tokens_generated": total.get("tokens", 0),
+        "degenerate_turns": total.get("degenerate_turns", {}),
+        "dropped_degenerate": total.get("dropped_degenerate", 0),
+        "failed_conversations": total.get("failed", 0),
+        "failures_by_reason": total.get("failures_by_reason", {}),
+        "bad_records": report.total,
+    }
+    gen_s = total.get("generation_s", 0.0)
+    timings = {"wall_s": round(wall_s, 3), "generation_s": round(gen_s, 3),
+               "tokens_per_s": round(total.get("tokens", 0) / gen_s, 2) if gen_s else None}
+    write_manifest(
+        out.root, "regen", {"regen": cfg.regen, "data": cfg.data, "target": cfg.target}, counts, timings,
+        target=fingerprint, generation=generation, format="sharegpt",
+        plan={"digest": plan.digest, "batches": plan.n_batches, "shards": plan.n_shards},
+        shards=[{"path": m["path"], "conversations": m["conversations"], "sha256": m["sha256"], "rank": m["rank"]}
+                for m in markers],
+        errors=[{"path": m["errors"], "failures": m["stats"].get("failed", 0)} for m in markers if m["errors"]],
+        bad_records=report.to_dict())
+    return total

@@ -1,0 +1,182 @@
+"""Regen output directory: complete shards only, crash-safe resumption, multi-rank bookkeeping.
+
+    regen/
+      manifest.json                 written last, by rank 0, once every shard is done
+      shards/shard-00000.jsonl      ShareGPT records; only complete shards ever carry this name
+      errors/shard-00000.jsonl      requests that failed for good: {id, turn, reason, detail, attempts}
+      state/run.json                what this directory is a run of (plan digest, generation, target)
+      state/batches/batch-000000.json   finished batches of a shard not yet complete
+      state/done/shard-00000.json   shard done-marker: its counts, sha256, the rank that wrote it
+
+Every file is written to a `*.tmp` name and renamed into place, so a `kill -9` at any moment leaves either the
+whole file or none (a temporary name never matches `*.json*`, so readers never see it). A shard is complete
+when its done-marker exists; the marker is written after the shard and its error file, and batch files are
+deleted only after it. A rerun therefore finds each batch either inside a complete shard, or as a batch file,
+or not at all (then it is generated again), and writes each conversation exactly once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from pipeline.data.config import SourceConfig
+from pipeline.regen.waves import BatchResult
+
+log = logging.getLogger(__name__)
+
+
+class RegenStateError(RuntimeError):
+    pass
+
+
+def atomic_write(path: Path, data: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, indent=1) + "\n"
+
+
+class RegenDir:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.shards = self.root / "shards"
+        self.errors = self.root / "errors"
+        self.state = self.root / "state"
+
+    def shard_path(self, shard: int) -> Path:
+        return self.shards / f"shard-{shard:05d}.jsonl"
+
+    def error_path(self, shard: int) -> Path:
+        return self.errors / f"shard-{shard:05d}.jsonl"
+
+    def done_path(self, shard: int) -> Path:
+        return self.state / "done" / f"shard-{shard:05d}.json"
+
+    def batch_path(self, batch: int) -> Path:
+        return self.state / "batches" / f"batch-{batch:06d}.json"
+
+    @property
+    def run_path(self) -> Path:
+        return self.state / "run.json"
+
+    # -- run identity -------------------------------------------------------------------------------------
+
+    def claim(self, identity: dict, overwrite: bool = False, single_rank: bool = True) -> bool:
+        """Binds the directory to this run. Returns True when it resumes an earlier run of the same identity;
+        refuses a directory holding another run (other input, plan, generation settings or target)."""
+        if self.run_path.exists():
+            theirs = json.loads(self.run_path.read_text())
+            if theirs == identity:
+                return True
+            if not overwrite:
+                diff = sorted(k for k in set(theirs) | set(identity) if theirs.get(k) != identity.get(k))
+                raise RegenStateError(
+                    f"{self.root} holds a regen run with different {', '.join(diff)}:\n"
+                    f"  existing: {json.dumps({k: theirs.get(k) for k in diff}, sort_keys=True)}\n"
+                    f"  this run: {json.dumps({k: identity.get(k) for k in diff}, sort_keys=True)}\n"
+                    f"rerun with regen.overwrite=true (single rank) or remove the directory")
+            if not single_rank:
+                raise RegenStateError("regen.overwrite=true needs a single rank (ranks would delete each "
+                                      "other's shards); clear the directory first")
+            log.warning("regen.overwrite=true: removing the previous run in %s", self.root)
+            for sub in (self.shards, self.errors, self.state):
+                shutil.rmtree(sub, ignore_errors=True)
+            (self.root / "manifest.json").unlink(missing_ok=True)
+        atomic_write(self.run_path, _dumps(identity))  # every rank writes the same content
+        return False
+
+    def remove_stale_tmp(self) -> None:
+        """Temporary files of killed processes (single rank only: others' may be in flight)."""
+        for d in (self.root, self.shards, self.errors, self.state, self.state / "batches", self.state / "done"):
+            for tmp in d.glob(".*.tmp") if d.is_dir() else ():
+                tmp.unlink(missing_ok=True)
+
+    # -- batches and shards -------------------------------------------------------------------------------
+
+    def shard_done(self, shard: int) -> bool:
+        return self.done_path(shard).exists() and self.shard_path(shard).exists()
+
+    def load_batch(self, batch: int) -> Optional[BatchResult]:
+        path = self.batch_path(batch)
+        return BatchResult.from_dict(json.loads(path.read_text())) if path.exists() else None
+
+    def save_batch(self, batch: int, result: BatchResult) -> None:
+        atomic_write(self.batch_path(batch), json.dumps(result.to_dict(), ensure_ascii=False))
+
+    def drop_batches(self, batches) -> None:
+        for b in batches:
+            self.batch_path(b).unlink(missing_ok=True)
+
+    def finish_shard(self, shard: int, batches: range, results: list[BatchResult], rank: int) -> dict:
+        records = [r for res in results for r in res.records]
+        failures = [f for res in results for f in res.failures]
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        atomic_write(self.shard_path(shard), text)
+        if failures:
+            atomic_write(self.error_path(shard), "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures))
+        else:
+            self.error_path(shard).unlink(missing_ok=True)  # left by an earlier, failed attempt
+        marker = {
+            "shard": shard,
+            "path": str(self.shard_path(shard).relative_to(self.root)),
+            "errors": str(self.error_path(shard).relative_to(self.root)) if failures else None,
+            "batches": [batches.start, batches.stop],
+            "rank": rank,
+            "conversations": len(records),
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "stats": sum_stats([res.stats for res in results]),
+        }
+        atomic_write(self.done_path(shard), _dumps(marker))
+        self.drop_batches(batches)
+        return marker
+
+    def markers(self, n_shards: int) -> list[Optional[dict]]:
+        return [json.loads(self.done_path(s).read_text()) if self.shard_done(s) else None for s in range(n_shards)]
+
+    def wait_for_shards(self, n_shards: int, timeout_s: float, poll_s: float = 2.0) -> list[dict]:
+        """Rank 0: every rank's shards, waiting for the others with a timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [s for s in range(n_shards) if not self.shard_done(s)]
+            if not missing:
+                return self.markers(n_shards)
+            if time.monotonic() > deadline:
+                raise RegenStateError(
+                    f"{len(missing)} of {n_shards} shards still missing after {timeout_s:g} s (e.g. "
+                    f"{', '.join(map(str, missing[:5]))}): a rank died or is slow. Rerun regen (any number of "
+                    f"ranks, e.g. one) to generate what is missing and write the manifest")
+            time.sleep(poll_s)
+
+
+def sum_stats(stats: list[dict]) -> dict:
+    total: dict = {}
+    for s in stats:
+        for key, value in s.items():
+            if isinstance(value, dict):
+                total[key] = dict(Counter(total.get(key, {})) + Counter(value))
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+def regen_sources(regen_dir: Path) -> list[SourceConfig]:
+    """Data-layer sources of a finished regen run (the shards its manifest lists), for the next stage."""
+    from pipeline.manifest import load_manifest
+
+    manifest = load_manifest(regen_dir, expect_stage="regen")
+    return [SourceConfig(path=str(Path(regen_dir) / s["path"]), format="sharegpt",
+                         id_prefix=Path(s["path"]).stem) for s in manifest["shards"]]
