@@ -1,0 +1,102 @@
+"""EAGLE-3 draft head, module-for-module identical to the official head (SafeAILab/EAGLE
+eagle/traineagle3/cnets.py) so the exported weights load into SGLang/vLLM's LlamaForCausalLMEagle3:
+
+    fc                 Linear(3*H_target -> H, no bias) on the fused (low, mid, high) target states
+    midlayer           one decoder layer whose attention reads cat(input_layernorm(emb), hidden_norm(hidden))
+    norm, lm_head      final RMSNorm and Linear(H -> draft vocab)
+    embed_tokens       frozen copy of the target embedding
+    d2t, t2d           draft<->target vocabulary maps
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .common import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
+from .config import DraftHeadConfig
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = Attention(config, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """emb, hidden [B,T,H] -> pre-norm output [B,T,H]. The residual is the un-normalized hidden."""
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B,T,2H]
+        h = hidden + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3DraftHead(DraftHeadMixin, nn.Module):
+    def __init__(self, config: DraftHeadConfig):
+        super().__init__()
+        if config.kind != "eagle3":
+            raise ValueError(f"Eagle3DraftHead needs kind='eagle3', got {config.kind!r}")
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self._init_vocab_buffers()
+
+    def fuse(self, target_states: torch.Tensor) -> torch.Tensor:
+        """aux states [B,T,3*H_target] (low, mid, high) -> [B,T,H]."""
+        return self.fc(target_states.to(self.fc.weight.dtype))
+
+    def layer(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """One midlayer pass with a given attention kernel -> pre-norm output [B,T,H]."""
+        emb = self.embed(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        return self.midlayer(emb, hidden, cos, sin, attend)
+
+    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """pre-norm output [..., H] -> draft-vocabulary logits [..., V_draft]."""
+        return self.lm_head(self.norm(out_hidden))
+
+    def forward_hidden(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """`forward` without the logits."""
+        attend = partial(cached_attention, cache=cache, layer_idx=0, attn_mask=attn_mask)
+        return self.layer(hidden, input_ids, position_ids, attend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B,T,H] (fused target states or a previous out_hidden), input_ids [B,T] (the token after
+        the one whose state is hidden[t]), position_ids [B,T] -> (out_hidden [B,T,H] pre-norm, fed back as
+        the next hidden; logits [B,T,V_draft])."""
+        out = self.forward_hidden(hidden, input_ids, position_ids, cache, attn_mask)
+        return out, self.logits(out)
+
+    @torch.no_grad()
+    def copy_from_target(self, target_model: nn.Module) -> None:
+        """Copy the frozen embedding from an HF causal LM."""
+        self.copy_target_embeddings(target_model.get_input_embeddings().weight)

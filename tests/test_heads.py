@@ -1,0 +1,291 @@
+"""Draft heads: exported parameter names, architecture parity with HF Llama blocks, and the KV-cache /
+tree-mask decoding path the tree decoder relies on."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from pipeline.train.heads.common import KVCache, build_draft_head
+from pipeline.train.heads.config import DraftHeadConfig
+from pipeline.train.heads.eagle1 import Eagle1DraftHead
+from pipeline.train.heads.eagle3 import Eagle3DraftHead
+from pipeline.train.loss import add_uniform_noise, align_batch, eagle1_loss
+
+H, HEADS, KV, HEAD_DIM, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 120, 40
+
+
+def tiny_config(kind: str, **kw) -> DraftHeadConfig:
+    return DraftHeadConfig(
+        kind=kind, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM,
+        intermediate_size=INTER, rms_norm_eps=1e-6, max_position_embeddings=256, vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB if kind == "eagle3" else VOCAB, target_hidden_size=H,
+        aux_layer_ids=[2, 4, 5] if kind == "eagle3" else [], **kw,
+    )
+
+
+def make_head(kind: str, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    head = build_draft_head(tiny_config(kind, **kw)).eval()
+    with torch.no_grad():  # non-trivial norms so a swapped or missing norm shows up in the outputs
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        head.embed_tokens.weight.normal_()
+    return head
+
+
+def hf_llama_config() -> LlamaConfig:
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
+        num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=256,
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def test_eagle3_parameter_names_and_shapes():
+    head = make_head("eagle3")
+    shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    assert shapes == {
+        "embed_tokens.weight": (VOCAB, H),
+        "fc.weight": (H, 3 * H),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (HEADS * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (KV * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (KV * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (INTER, H),
+        "midlayer.mlp.up_proj.weight": (INTER, H),
+        "midlayer.mlp.down_proj.weight": (H, INTER),
+        "norm.weight": (H,),
+        "lm_head.weight": (DRAFT_VOCAB, H),
+        "d2t": (DRAFT_VOCAB,),
+        "t2d": (VOCAB,),
+    }
+    assert head.d2t.dtype == torch.long and head.t2d.dtype == torch.bool
+    frozen = {n for n, p in head.named_parameters() if not p.requires_grad}
+    assert frozen == {"embed_tokens.weight"}
+
+
+@pytest.mark.parametrize("fc_bias", [False, True])
+def test_eagle1_parameter_names_and_shapes(fc_bias):
+    head = make_head("eagle1", fc_bias=fc_bias)
+    shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    expected = {
+        "embed_tokens.weight": (VOCAB, H),
+        "fc.weight": (H, 2 * H),
+        "layers.0.self_attn.q_proj.weight": (HEADS * HEAD_DIM, H),
+        "layers.0.self_attn.k_proj.weight": (KV * HEAD_DIM, H),
+        "layers.0.self_attn.v_proj.weight": (KV * HEAD_DIM, H),
+        "layers.0.self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
+        "layers.0.post_attention_layernorm.weight": (H,),
+        "layers.0.mlp.gate_proj.weight": (INTER, H),
+        "layers.0.mlp.up_proj.weight": (INTER, H),
+        "layers.0.mlp.down_proj.weight": (H, INTER),
+        "lm_head.weight": (VOCAB, H),
+        "d2t": (VOCAB,),
+        "t2d": (VOCAB,),
+    }
+    if fc_bias:
+        expected["fc.bias"] = (H,)
+    assert shapes == expected
+    frozen = {n for n, p in head.named_parameters() if not p.requires_grad}
+    assert frozen == {"embed_tokens.weight", "lm_head.weight"}
+    assert bool(head.t2d.all()) and not bool(head.d2t.any())
+
+
+def test_config_from_target_and_round_trip(tiny_model):
+    cfg = DraftHeadConfig.from_target(tiny_model.config, "eagle3", draft_vocab_size=100, aux_layer_ids=None)
+    t = tiny_model.config
+    assert cfg.aux_layer_ids == [2, t.num_hidden_layers // 2, t.num_hidden_layers - 3]
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 4, 2)
+    assert cfg.head_dim == 16 and cfg.vocab_size == t.vocab_size and cfg.rope_theta == 10000.0
+    assert DraftHeadConfig.from_dict(cfg.to_dict()) == cfg
+    e1 = DraftHeadConfig.from_target(t, "eagle1", draft_vocab_size=None, aux_layer_ids=None, fc_bias=True)
+    assert e1.draft_vocab_size == t.vocab_size and e1.aux_layer_ids == [] and e1.fc_bias
+    with pytest.raises(ValueError):
+        DraftHeadConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+    with pytest.raises(ValueError):
+        DraftHeadConfig(kind="eagle3", aux_layer_ids=[1, 2])
+
+
+def test_copy_from_target(tiny_model):
+    cfg = DraftHeadConfig.from_target(tiny_model.config, "eagle1", None, None)
+    head = build_draft_head(cfg)
+    head.copy_from_target(tiny_model)
+    assert torch.equal(head.embed_tokens.weight, tiny_model.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head.weight, tiny_model.get_output_embeddings().weight)
+
+
+def _causal_float_mask(t: int) -> torch.Tensor:
+    return torch.full((t, t), float("-inf")).triu(1)[None, None]
+
+
+def test_eagle1_layer_matches_hf_llama_layer_without_input_norm():
+    """EAGLE-1's decoder layer is a Llama layer minus input_layernorm: same RoPE, GQA and SwiGLU."""
+    head = make_head("eagle1")
+    hf = LlamaDecoderLayer(hf_llama_config(), layer_idx=0).eval()
+    hf.load_state_dict(head.layers[0].state_dict(), strict=False)
+    hf.input_layernorm = torch.nn.Identity()
+    torch.manual_seed(1)
+    b, t = 2, 7
+    hidden, ids = torch.randn(b, t, H), torch.randint(0, VOCAB, (b, t))
+    pos = torch.arange(3, 3 + t).expand(b, t)
+    out, logits = head(hidden, ids, pos)
+    x = head.fc(torch.cat((head.embed_tokens(ids), hidden), dim=-1))  # embedding first, as cnets1.py
+    rope = LlamaRotaryEmbedding(hf_llama_config())(x, pos)
+    ref = hf(x, attention_mask=_causal_float_mask(t), position_embeddings=rope)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, head.lm_head(ref))
+    assert logits.shape == (b, t, VOCAB)
+
+
+def test_eagle3_attention_matches_hf_llama_attention():
+    """EAGLE-3's midlayer = HF Llama attention over cat(input_layernorm(emb), hidden_norm(hidden)) with
+    2H-wide q/k/v, residual on the raw hidden, then the usual post-norm SwiGLU block."""
+    head = make_head("eagle3")
+    layer = head.midlayer
+    hf = LlamaDecoderLayer(hf_llama_config(), layer_idx=0).eval()
+    hf.self_attn.q_proj, hf.self_attn.k_proj = layer.self_attn.q_proj, layer.self_attn.k_proj
+    hf.self_attn.v_proj, hf.self_attn.o_proj = layer.self_attn.v_proj, layer.self_attn.o_proj
+    hf.post_attention_layernorm, hf.mlp = layer.post_attention_layernorm, layer.mlp
+    torch.manual_seed(2)
+    b, t = 2, 6
+    aux, ids = torch.randn(b, t, 3 * H), torch.randint(0, VOCAB, (b, t))
+    pos = torch.arange(t).expand(b, t)
+    hidden = head.fuse(aux)
+    out, logits = head(hidden, ids, pos)
+    x = torch.cat((layer.input_layernorm(head.embed_tokens(ids)), layer.hidden_norm(hidden)), dim=-1)
+    rope = LlamaRotaryEmbedding(hf_llama_config())(x, pos)
+    attn, _ = hf.self_attn(x, position_embeddings=rope, attention_mask=_causal_float_mask(t))
+    h = hidden + attn
+    ref = h + layer.mlp(layer.post_attention_layernorm(h))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, head.lm_head(head.norm(ref)))
+    assert logits.shape == (b, t, DRAFT_VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_cached_decoding_matches_one_call(kind):
+    head = make_head(kind)
+    torch.manual_seed(3)
+    b, t = 2, 9
+    hidden, ids = torch.randn(b, t, H), torch.randint(0, VOCAB, (b, t))
+    pos = torch.arange(t).expand(b, t)
+    full_out, full_logits = head(hidden, ids, pos)
+
+    cache = KVCache()
+    steps = [head(hidden[:, i : i + 1], ids[:, i : i + 1], pos[:, i : i + 1], cache=cache) for i in range(t)]
+    assert cache.length == t
+    torch.testing.assert_close(torch.cat([o for o, _ in steps], 1), full_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([l for _, l in steps], 1), full_logits, rtol=1e-5, atol=1e-5)
+
+    cache = KVCache()  # a prefix, then a chunk of several new tokens (causal among themselves)
+    o1, _ = head(hidden[:, :4], ids[:, :4], pos[:, :4], cache=cache)
+    o2, _ = head(hidden[:, 4:], ids[:, 4:], pos[:, 4:], cache=cache)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), full_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_tree_mask_matches_separate_branches(kind):
+    """A draft tree root->{a1->a2, b1} in one masked call equals running each branch causally after the
+    prefix; `keep` of the accepted branch leaves the same cache as running that branch alone."""
+    head = make_head(kind)
+    torch.manual_seed(4)
+    b, p = 2, 5
+    prefix_h, prefix_ids = torch.randn(b, p, H), torch.randint(0, VOCAB, (b, p))
+    prefix_pos = torch.arange(p).expand(b, p)
+    # tree nodes in order [a1, a2, b1]; a2 is a1's child; a1 and b1 are siblings at depth 0
+    node_h, node_ids = torch.randn(b, 3, H), torch.randint(0, VOCAB, (b, 3))
+    node_pos = torch.tensor([p, p + 1, p]).expand(b, 3)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(3, p, dtype=torch.bool), tree], 1)[None, None].expand(b, 1, 3, p + 3)
+
+    cache = KVCache()
+    head(prefix_h, prefix_ids, prefix_pos, cache=cache)
+    tree_out, tree_logits = head(node_h, node_ids, node_pos, cache=cache, attn_mask=mask)
+    assert cache.length == p + 3
+
+    def branch(cols):
+        c = KVCache()
+        head(prefix_h, prefix_ids, prefix_pos, cache=c)
+        out, logits = head(node_h[:, cols], node_ids[:, cols], node_pos[:, cols], cache=c)
+        return out, logits, c
+
+    a_out, a_logits, a_cache = branch([0, 1])
+    b_out, b_logits, _ = branch([2])
+    torch.testing.assert_close(tree_out[:, :2], a_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tree_out[:, 2:], b_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tree_logits[:, :2], a_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tree_logits[:, 2:], b_logits, rtol=1e-5, atol=1e-5)
+
+    cache.keep(torch.tensor(list(range(p)) + [p, p + 1]))  # accept branch a
+    torch.testing.assert_close(cache.keys[0], a_cache.keys[0])
+    torch.testing.assert_close(cache.values[0], a_cache.values[0])
+    cache.crop(p)
+    assert cache.length == p
+
+
+def test_kv_cache_keep_per_row():
+    cache = KVCache()
+    k = torch.arange(2 * 1 * 4 * 2, dtype=torch.float).view(2, 1, 4, 2)
+    cache.append(0, k, -k)
+    cache.keep(torch.tensor([[0, 3], [1, 2]]))
+    torch.testing.assert_close(cache.keys[0], torch.stack([k[0, :, [0, 3]], k[1, :, [1, 2]]]))
+    torch.testing.assert_close(cache.values[0], -cache.keys[0])
+
+
+def test_heads_reject_wrong_kind():
+    with pytest.raises(ValueError):
+        Eagle3DraftHead(tiny_config("eagle1"))
+    with pytest.raises(ValueError):
+        Eagle1DraftHead(tiny_config("eagle3"))
+
+
+def test_eagle1_loss_matches_plain_formula():
+    """w_feat * SmoothL1(feature) + w_tok * soft-CE through the frozen lm_head, normalized by the number of
+    positions whose predicted token (t+2) is loss-masked; accuracy = argmax agreement on those positions."""
+    head = make_head("eagle1").train()
+    torch.manual_seed(5)
+    b, t = 2, 10
+    valid = torch.ones(b, t, dtype=torch.long)
+    valid[1, 7:] = 0
+    ids = torch.randint(0, VOCAB, (b, t)) * valid
+    loss_mask = (torch.rand(b, t) < 0.7).long() * valid
+    final = torch.randn(b, t, H) * valid[..., None]
+    out = eagle1_loss(head, align_batch(ids, loss_mask, final, final, valid), feature_weight=1.0, token_weight=0.1)
+
+    n_ids = torch.cat([ids[:, 1:], torch.zeros(b, 1, dtype=torch.long)], 1)
+    pred, logits = head(final, n_ids, torch.arange(t).expand(b, t))
+    target = torch.cat([final[:, 1:], torch.zeros(b, 1, H)], 1)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    mask[:, : t - 2] = (loss_mask * valid)[:, 2:].bool()
+    n = mask.sum()
+    feat = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * mask).sum() / n
+    target_logits = head.lm_head(target)
+    tok = (-(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1) * mask).sum() / n
+    torch.testing.assert_close(out["feature_loss"], feat.detach())
+    torch.testing.assert_close(out["token_loss"], tok.detach())
+    torch.testing.assert_close(out["loss"], (feat + 0.1 * tok).detach())
+    assert int(out["total"]) == int(n)
+    assert int(out["correct"]) == int(((logits.argmax(-1) == target_logits.argmax(-1)) & mask).sum())
+
+    out["loss"].backward()
+    assert head.fc.weight.grad.abs().sum() > 0 and head.lm_head.weight.grad is None
+
+    noisy = eagle1_loss(head, align_batch(ids, loss_mask, final, final, valid), noise_scale=0.2,
+                        generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(noisy["loss"], out["loss"])
+
+
+def test_uniform_noise_amplitude():
+    x = torch.zeros(4000)
+    noise = add_uniform_noise(x, 0.2, torch.Generator().manual_seed(0))
+    assert noise.abs().max() <= 0.1 and noise.abs().max() > 0.09 and abs(float(noise.mean())) < 0.01
+    assert add_uniform_noise(x, 0.0) is x
