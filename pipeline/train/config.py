@@ -1,3 +1,5 @@
+"""Hydra schema of the train stage: `HeadConfig` (which head, its training objective) and `TrainConfig`
+(optimization, batching, checkpointing, distributed). See pipeline/train/run.py for the stage layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ class HeadConfig:
 @dataclass
 class TrainConfig:
     epochs: int = 1
-    max_steps: Optional[int] = None
+    max_steps: Optional[int] = None  # cap on optimizer steps; the LR schedule spans the capped run
     lr: float = 3e-4
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
@@ -29,15 +31,24 @@ class TrainConfig:
     warmup_steps: int = 20
     schedule: str = "cosine"  # cosine | linear | constant
     grad_clip: float = 0.5
+    # Micro-batch size in padded tokens (rows x longest row); a row longer than this is a batch by itself.
     micro_batch_tokens: int = 4096
+    # Micro-batches per optimizer step PER PROCESS: the global batch is grad_accum x world_size
+    # micro-batches, so 1 process with grad_accum=2 and 2 processes with grad_accum=1 train identically.
     grad_accum: int = 1
+    bucket_size: int = 256  # samples sorted by length together before packing (per epoch, after shuffling)
     max_length: int = 2048
     val_fraction: float = 0.05
     seed: int = 0
-    save_every: int = 200
-    eval_every: int = 200
-    log_every: int = 10
+    save_every: int = 200  # checkpoint (and real-tau decode) every N optimizer steps; 0: only at the end
+    keep_checkpoints: int = 2  # the last K checkpoints are kept
+    eval_every: int = 200  # validation loss/accuracy every N steps (and at the end); 0: only at the end
+    val_max_batches: Optional[int] = None  # cap on validation micro-batches per evaluation
+    log_every: int = 10  # console lines; metrics.jsonl and W&B get every step
     tau_prompts: int = 2  # validation prompts decoded with the real tree decoder at each checkpoint
+    tau_max_new_tokens: int = 48
+    plot: bool = True  # curves.png in the train dir at the end
     mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16
+    # A DeepSpeed JSON (e.g. conf/deepspeed/zero2.json); GPU only. Model code stays single-device either way.
     deepspeed_config: Optional[str] = None
-    resume: bool = True
+    resume: bool = True  # continue from the last checkpoint in the train dir (false: refuse a non-empty dir)

@@ -1,0 +1,255 @@
+"""Checkpoints of the train stage and the trained head's on-disk format.
+
+    <train dir>/checkpoints/step-N/   head (trainable weights + vocab maps), optimizer, scheduler, RNG states
+                                      of every rank, trainer_state.json (step, data position); written to a
+                                      temporary directory and renamed, so a step-N directory is always whole
+    <train dir>/final/                model.safetensors + head_config.json: what export/eval load
+
+The frozen copies of target weights (embeddings; EAGLE-1's lm_head) are never saved: `load_head` takes
+them from the target itself, after checking it is the target the head was trained on."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.manifest import check_target, load_manifest
+
+from .heads.common import build_draft_head
+from .heads.config import DraftHeadConfig
+
+log = logging.getLogger(__name__)
+
+# sysexits.h EX_TEMPFAIL ("try again later"): the run was asked to stop (SIGTERM/SIGUSR1), saved a checkpoint
+# and exited; scripts requeue on this code and the rerun resumes. Distinct from crashes (1) and signals (128+n).
+REQUEUE_EXIT_CODE = 75
+
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+HEAD_WEIGHTS = "model.safetensors"
+HEAD_CONFIG = "head_config.json"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the head
+
+
+def frozen_names(head: nn.Module) -> set[str]:
+    """Parameters copied from the target (not trained, not saved)."""
+    return {name for name, p in head.named_parameters() if not p.requires_grad}
+
+
+def head_state(head: nn.Module) -> dict[str, torch.Tensor]:
+    """Trained parameters and the vocabulary buffers (d2t, t2d), contiguous CPU copies."""
+    skip = frozen_names(head)
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in head.state_dict().items() if k not in skip}
+
+
+def save_head(head: nn.Module, directory: Path) -> None:
+    """model.safetensors + head_config.json (DraftHeadConfig.to_dict(): rope_theta as trained)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(head_state(head), str(directory / HEAD_WEIGHTS), metadata={"format": "pt"})
+    _write_json(directory / HEAD_CONFIG, head.config.to_dict())
+
+
+def load_head_weights(head: nn.Module, directory: Path) -> None:
+    """Load `save_head` output into a freshly built head; anything missing must be a frozen target copy."""
+    from safetensors.torch import load_file
+
+    missing, unexpected = head.load_state_dict(load_file(str(directory / HEAD_WEIGHTS)), strict=False)
+    missing = set(missing) - frozen_names(head)
+    if missing or unexpected:
+        raise RuntimeError(f"{directory / HEAD_WEIGHTS}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+
+
+def load_head(train_dir: Path, target, device: Optional[torch.device] = None,
+              dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """The trained head of a completed train stage, in eval mode, with its frozen embedding (and EAGLE-1
+    lm_head) copied from `target` (a pipeline.target.Target) -- which must be the target it was trained on
+    (fingerprint checked against the train manifest). Device/dtype default to the target's."""
+    train_dir = Path(train_dir)
+    manifest = load_manifest(train_dir, expect_stage="train")
+    check_target(target.fingerprint, manifest, train_dir / "manifest.json")
+    final = train_dir / FINAL
+    config = DraftHeadConfig.from_dict(json.loads((final / HEAD_CONFIG).read_text()))
+    head = build_draft_head(config)
+    load_head_weights(head, final)
+    head.copy_from_target(target.model)
+    return head.to(device=device or target.device, dtype=dtype or target.dtype).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNG states
+
+
+def rng_state() -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        # numpy's legacy state as tensors/ints, so the file loads with weights_only=True.
+        "numpy": _numpy_state_to_torch(np.random.get_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(_numpy_state_from_torch(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_state_to_torch(s: tuple) -> tuple:
+    name, keys, pos, has_gauss, cached = s
+    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
+def _numpy_state_from_torch(s: tuple) -> tuple:
+    name, keys, pos, has_gauss, cached = s
+    return name, keys.numpy().astype(np.uint32), pos, has_gauss, cached
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training checkpoints
+
+
+def checkpoint_dirs(train_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary directories of interrupted writes are ignored)."""
+    root = Path(train_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))
+             and (p / TRAINER_STATE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(train_dir: Path) -> Optional[Path]:
+    dirs = checkpoint_dirs(train_dir)
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler, trainer_state: dict,
+                    keep: int) -> Path:
+    """Collective: every rank calls it. Rank 0 writes the head/optimizer/scheduler/state, every rank its RNG
+    state (and, under DeepSpeed, its optimizer partition) into a temporary directory that rank 0 then renames
+    to checkpoints/step-N and prunes to the last `keep`."""
+    root = Path(train_dir) / CHECKPOINTS
+    step = int(trainer_state["step"])
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp"
+    if par.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    par.barrier()
+    par.save_engine_state(model, tmp)
+    _torch_save(rng_state(), tmp / f"rng-rank{par.rank}.pt")
+    if par.is_main:
+        save_head(par.unwrap(model).head, tmp)
+        if not par.deepspeed:
+            _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
+        _torch_save(scheduler.state_dict(), tmp / SCHEDULER)
+    par.barrier()  # every rank's files are in place before the state file marks the checkpoint complete
+    if par.is_main:
+        _write_json(tmp / TRAINER_STATE, trainer_state)
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in checkpoint_dirs(train_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s", final)
+    par.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, par, model: nn.Module, optimizer, scheduler) -> dict:
+    """Restore what `save_checkpoint` wrote into an already prepared model/optimizer; returns trainer_state."""
+    path = Path(path)
+    load_head_weights(par.unwrap(model).head, path)
+    if par.deepspeed:
+        par.load_engine_state(model, path)
+    else:
+        optimizer.load_state_dict(torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=True))
+    rng_file = path / f"rng-rank{par.rank}.pt"
+    if rng_file.is_file():  # absent when resuming on more ranks than were saved; data order does not need it
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stop requests
+
+
+class StopRequest:
+    """SIGTERM (Slurm's preemption/time-limit signal, also what torchrun forwards) and SIGUSR1 (`sbatch
+    --signal=USR1@90`) only set a flag; the loop checkpoints at the next step boundary and exits with
+    REQUEUE_EXIT_CODE."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def _handler(self, signum, frame) -> None:
+        if not self.requested:
+            log.warning("received %s: checkpointing at the next step boundary, then exiting with %d",
+                        signal.Signals(signum).name, REQUEUE_EXIT_CODE)
+        self.requested = True
+
+    def __enter__(self) -> "StopRequest":
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _torch_save(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,359 @@
+"""The training loop: objectives (a head + its loss as one module, so the parallel wrapper sees a plain
+forward), AdamW with warmup + decay, gradient accumulation and clipping, validation, real-tau decoding at
+checkpoints, checkpoint/resume and stop requests.
+
+Reproducibility contract: the data order is a function of (seed, epoch) (data.py), EAGLE-1's feature noise
+is seeded per micro-batch from (seed, epoch, batch position), and a checkpoint restores weights, optimizer,
+scheduler and RNG states exactly, so a resumed run repeats the uninterrupted run's per-step losses, and N
+processes with grad_accum=g/N repeat one process with grad_accum=g (same micro-batches per step)."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+from .config import HeadConfig, TrainConfig
+from .data import Batch, StepSchedule, collate, epoch_batches, eval_batches
+from .loss import align_batch, eagle1_loss
+from .metrics import MetricsLog, add_stats, derive, reduce_stats
+from .ttt import eagle3_ttt_loss
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# objectives
+
+
+class Eagle3Objective(nn.Module):
+    """Head + TTT loss. The frozen target lm_head is a non-persistent buffer: it gives the soft targets
+    (the dump holds final hidden states, not logits) and is never trained or saved."""
+
+    needs_aux = True
+
+    def __init__(self, head: nn.Module, target_lm_head_weight: torch.Tensor, head_cfg: HeadConfig):
+        super().__init__()
+        self.head = head
+        self.register_buffer("target_lm_head", target_lm_head_weight.detach(), persistent=False)
+        self.ttt_steps, self.decay = head_cfg.ttt_steps, head_cfg.ttt_decay
+
+    def stat_shapes(self) -> dict[str, int]:
+        return {"loss": 1, "round_loss": self.ttt_steps, "round_correct": self.ttt_steps,
+                "round_total": self.ttt_steps}
+
+    def forward(self, input_ids, loss_mask, attention_mask, aux_hidden, final_hidden, noise_seed=None):
+        batch = align_batch(input_ids, loss_mask, aux_hidden, final_hidden, attention_mask)
+        out = eagle3_ttt_loss(self.head, batch, self.target_lm_head, self.ttt_steps, self.decay)
+        return {"loss": out["loss"], "round_loss": out["round_loss"], "round_correct": out["round_correct"],
+                "round_total": out["round_total"]}
+
+
+class Eagle1Objective(nn.Module):
+    """Head + EAGLE-1 loss (feature regression + token soft-CE through the frozen target lm_head)."""
+
+    needs_aux = False
+
+    def __init__(self, head: nn.Module, head_cfg: HeadConfig):
+        super().__init__()
+        self.head = head
+        self.feature_weight, self.token_weight = head_cfg.feature_loss_weight, head_cfg.token_loss_weight
+        self.noise = head_cfg.feature_noise
+
+    def stat_shapes(self) -> dict[str, int]:
+        return {"loss": 1, "feature_loss": 1, "token_loss": 1, "round_correct": 1, "round_total": 1}
+
+    def forward(self, input_ids, loss_mask, attention_mask, aux_hidden, final_hidden, noise_seed=None):
+        batch = align_batch(input_ids, loss_mask, final_hidden, final_hidden, attention_mask)
+        generator, noise = None, 0.0
+        if self.training and self.noise > 0:
+            noise = self.noise
+            generator = torch.Generator(final_hidden.device).manual_seed(int(noise_seed or 0))
+        out = eagle1_loss(self.head, batch, self.feature_weight, self.token_weight, noise, generator)
+        return {"loss": out["loss"], "feature_loss": out["feature_loss"], "token_loss": out["token_loss"],
+                "round_correct": out["correct"].reshape(1), "round_total": out["total"].reshape(1)}
+
+
+def build_objective(head: nn.Module, head_cfg: HeadConfig, target_lm_head_weight: torch.Tensor) -> nn.Module:
+    if head_cfg.kind == "eagle3":
+        return Eagle3Objective(head, target_lm_head_weight, head_cfg)
+    return Eagle1Objective(head, head_cfg)
+
+
+def noise_seed(seed: int, epoch: int, position: int) -> int:
+    """Per-micro-batch seed: independent of which rank computes the batch and of where a run resumed."""
+    return (seed * 1_000_003 + epoch) * 1_000_033 + position
+
+
+def micro_stats(objective: nn.Module, out: dict, batch: Batch) -> dict[str, torch.Tensor]:
+    stats = {k: out[k] for k in objective.stat_shapes()}
+    stats["micro"] = torch.ones(1)
+    stats["tokens"] = torch.tensor([float(batch.num_tokens)])
+    return stats
+
+
+def zero_stats(objective: nn.Module) -> dict[str, torch.Tensor]:
+    """All keys present on every rank (a rank may get no validation batch; all-reduce needs equal shapes)."""
+    sums = {k: torch.zeros(n, dtype=torch.float64) for k, n in objective.stat_shapes().items()}
+    sums["micro"] = torch.zeros(1, dtype=torch.float64)
+    sums["tokens"] = torch.zeros(1, dtype=torch.float64)
+    return sums
+
+
+# ---------------------------------------------------------------------------------------------------------
+# optimizer and schedule
+
+
+def build_optimizer(head: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; no weight decay on norms (1-D) as usual for transformers."""
+    params = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    decay = [p for _, p in params if p.dim() >= 2]
+    no_decay = [p for _, p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def lr_factor(step: int, total_steps: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr for the update at 0-based `step`: linear warmup from lr/warmup, then cosine or
+    linear decay to min_lr_ratio at the last step, or constant."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif cfg.schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        raise ValueError(f"train.schedule={cfg.schedule!r}: expected cosine, linear or constant")
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer, total_steps: int, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the trainer
+
+
+@dataclass
+class TauProbe:
+    """Real tree decoding of a few validation prompts with the target (main rank, at checkpoints)."""
+
+    target_model: nn.Module
+    prompts: Sequence[torch.Tensor]
+    max_new_tokens: int
+    top_k: int
+    depth: int
+    total_tokens: int
+
+    @torch.no_grad()
+    def __call__(self, head: nn.Module) -> dict[str, float]:
+        from pipeline.eval.decoder import generate
+        from pipeline.eval.drafter import EagleDrafter
+
+        was_training = head.training
+        accepted, steps, t0 = 0, 0, time.perf_counter()
+        try:
+            for prompt in self.prompts:
+                result = generate(self.target_model, EagleDrafter(head), prompt, self.max_new_tokens,
+                                  temperature=0.0, top_k=self.top_k, depth=self.depth,
+                                  total_tokens=self.total_tokens)
+                accepted += sum(a + 1 for a in result.accept_lengths)
+                steps += len(result.accept_lengths)
+        finally:
+            head.train(was_training)
+        return {"eval/tau": accepted / steps if steps else float("nan"),
+                "eval/decode_s": time.perf_counter() - t0}
+
+
+class StopForRequeue(SystemExit):
+    def __init__(self):
+        super().__init__(ckpt.REQUEUE_EXIT_CODE)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, par, objective: nn.Module, reader, train_idx: Sequence[int],
+                 val_idx: Sequence[int], lengths: Sequence[int], train_dir: Path, metrics: MetricsLog,
+                 tau_probe: Optional[TauProbe] = None, identity: Optional[dict] = None):
+        """`identity`: what a checkpoint must have been trained on to be resumed here (dump digest, head...)."""
+        self.cfg, self.par, self.reader, self.identity = cfg, par, reader, identity or {}
+        self.train_idx, self.val_idx, self.lengths = list(train_idx), list(val_idx), lengths
+        self.train_dir, self.metrics, self.tau_probe = Path(train_dir), metrics, tau_probe
+        self.schedule = StepSchedule(cfg.grad_accum, par.rank, par.world_size)
+        self._epoch_cache: tuple[int, list] = (-1, [])
+        n_batches = len(self.batches_of_epoch(0))
+        self.steps_per_epoch = self.schedule.steps_per_epoch(n_batches)
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the training split packs into {n_batches} micro-batches of <= "
+                             f"{cfg.micro_batch_tokens} tokens, fewer than one step's "
+                             f"{self.schedule.micro_per_step} (grad_accum x processes); lower "
+                             f"train.micro_batch_tokens or train.grad_accum, or dump more data")
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.val_batches = eval_batches(self.val_idx, lengths, cfg.micro_batch_tokens)[:cfg.val_max_batches]
+
+        self.objective = objective
+        head = objective.head
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        optimizer = build_optimizer(head, cfg)
+        self.scheduler = build_scheduler(optimizer, self.total_steps, cfg)
+        self.model, self.optimizer = par.prepare(objective, optimizer)
+        self.step = 0
+
+    # -- data --------------------------------------------------------------------------------------------------
+    def batches_of_epoch(self, epoch: int) -> list[list[int]]:
+        if self._epoch_cache[0] != epoch:
+            self._epoch_cache = (epoch, epoch_batches(self.train_idx, self.lengths, self.cfg.micro_batch_tokens,
+                                                      self.cfg.bucket_size, self.cfg.seed, epoch))
+        return self._epoch_cache[1]
+
+    def _collate(self, indices: Sequence[int]) -> Batch:
+        return collate(self.reader, indices, self.cfg.max_length, self.objective.needs_aux).to(self.par.device)
+
+    @staticmethod
+    def _inputs(batch: Batch) -> dict:
+        return dict(input_ids=batch.input_ids, loss_mask=batch.loss_mask, attention_mask=batch.attention_mask,
+                    aux_hidden=batch.aux_hidden, final_hidden=batch.final_hidden)
+
+    # -- one optimizer step --------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
+        batches = self.batches_of_epoch(epoch)
+        lr = self.scheduler.get_last_lr()[0]
+        sums, grad_norm, t0 = {}, None, time.perf_counter()
+        self.model.train()
+        for pos in self.schedule.rank_batches(len(batches), in_epoch):
+            batch = self._collate(batches[pos])
+            with self.par.accumulate(self.model):
+                out = self.model(**self._inputs(batch), noise_seed=noise_seed(self.cfg.seed, epoch, pos))
+                self.par.backward(out["loss"])
+                if self.par.sync_gradients:
+                    grad_norm = self.par.clip_grad_norm(self.params, self.cfg.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            add_stats(sums, micro_stats(self.objective, out, batch))
+        self.scheduler.step()
+        self.step += 1
+        sums = reduce_stats(sums, self.par.reduce_sum)
+        metrics = derive(sums, "train")
+        metrics.update({"lr": lr, "grad_norm": grad_norm, "epoch": self.step / self.steps_per_epoch,
+                        "tokens_per_s": metrics.pop("train/tokens") / max(time.perf_counter() - t0, 1e-9)})
+        return metrics
+
+    # -- validation ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        objective = self.objective
+        objective.eval()
+        sums = zero_stats(objective)
+        with self.par.autocast():
+            for pos in range(self.par.rank, len(self.val_batches), self.par.world_size):
+                batch = self._collate(self.val_batches[pos])
+                add_stats(sums, micro_stats(objective, objective(**self._inputs(batch)), batch))
+        objective.train()
+        sums = reduce_stats(sums, self.par.reduce_sum)
+        if float(sums["micro"][0]) == 0:
+            return {}
+        metrics = derive(sums, "val")
+        metrics.pop("val/tokens")
+        return metrics
+
+    def real_tau(self) -> dict[str, float]:
+        """Main rank decodes; the others wait at the barrier."""
+        out = {}
+        if self.par.is_main and self.tau_probe is not None and self.tau_probe.prompts:
+            with self.par.autocast():
+                out = self.tau_probe(self.par.unwrap(self.model).head)
+        self.par.barrier()
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
+        return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
+                "steps_per_epoch": self.steps_per_epoch, "micro_per_step": self.schedule.micro_per_step,
+                "world_size": self.par.world_size, "seed": self.cfg.seed, "identity": self.identity}
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(self.train_dir, self.par, self.model, self.optimizer, self.scheduler,
+                                    self.trainer_state(), self.cfg.keep_checkpoints)
+
+    def resume(self) -> Optional[Path]:
+        path = ckpt.latest_checkpoint(self.train_dir) if self.cfg.resume else None
+        if path is None:
+            return None
+        state = ckpt.load_checkpoint(path, self.par, self.model, self.optimizer, self.scheduler)
+        for key in ("identity", "micro_per_step", "steps_per_epoch", "seed"):
+            if state[key] != self.trainer_state()[key]:
+                raise RuntimeError(
+                    f"{path}: saved with {key}={state[key]} but this run has {self.trainer_state()[key]}; it cannot "
+                    f"continue that run (same dump, head, seed, micro_batch_tokens and grad_accum x processes "
+                    f"needed). Train into a new experiment, or delete {self.train_dir} to start over")
+        self.step = int(state["step"])
+        log.info("resumed from %s (step %d of %d)", path, self.step, self.total_steps)
+        return path
+
+    # -- the run ------------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Trains to total_steps from the last checkpoint (if any). Raises StopForRequeue (SystemExit 75) after
+        checkpointing when a stop signal arrives. Returns the last value of every logged metric."""
+        cfg = self.cfg
+        last_saved = self.step if self.resume() else None
+        self.metrics.open(resume_step=self.step)
+        if self.step == 0:  # step-0 reference point of the curves
+            self.metrics.log(0, {**self.validate(), **self.real_tau()})
+        with ckpt.StopRequest() as stop:
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                stopping = self.par.any(stop.requested)
+                done = self.step == self.total_steps
+                if done or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                    metrics.update(self.validate())
+                # Logged before the checkpoint: a checkpoint at step N always has step N's record behind it.
+                self.metrics.log(self.step, metrics)
+                if self.par.is_main and (self.step % max(cfg.log_every, 1) == 0 or done or self.step == 1):
+                    log.info("step %d/%d %s", self.step, self.total_steps, _fmt(metrics))
+                if done or stopping or (cfg.save_every and self.step % cfg.save_every == 0):
+                    self.save()
+                    last_saved = self.step
+                    if not stopping and (tau := self.real_tau()):
+                        self.metrics.log(self.step, tau)
+                        log.info("step %d real tau %.3f (%.1f s)", self.step, tau["eval/tau"], tau["eval/decode_s"])
+                if stopping:
+                    log.warning("stopped at step %d (checkpoint saved); exiting with %d for requeue",
+                                self.step, ckpt.REQUEUE_EXIT_CODE)
+                    raise StopForRequeue()
+        if last_saved != self.step:  # resumed from the final checkpoint with nothing left to do
+            self.save()
+        return self.final_metrics()
+
+    def final_metrics(self) -> dict:
+        """The last logged value of every metric (main rank; empty elsewhere)."""
+        from .metrics import read_metrics
+
+        last = {}
+        for record in read_metrics(self.metrics.path) if self.par.is_main else []:
+            last.update({k: v for k, v in record.items() if k != "step" and v is not None})
+        return last
+
+
+def _fmt(metrics: dict) -> str:
+    keys = ("train/loss", "train/acc_0", "train/sim_tau", "val/loss", "val/sim_tau", "eval/tau", "lr",
+            "grad_norm", "tokens_per_s")
+    parts = []
+    for k in keys:
+        v = metrics.get(k)
+        if v is not None:
+            parts.append(f"{k}={v:.4g}")
+    return " ".join(parts)

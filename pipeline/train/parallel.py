@@ -1,0 +1,158 @@
+"""The one place where the single-device training objective becomes a data-parallel one.
+
+accelerate picks the regime from the launch environment: one process; DDP over gloo on CPU or NCCL on GPU
+(`torchrun --nproc-per-node N` / `accelerate launch` / srun); or DeepSpeed ZeRO from a JSON config
+(`train.deepspeed_config=conf/deepspeed/zero2.json`, GPUs only). Heads, losses and the loop never see a
+wrapper: they call the methods here."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from pipeline.dist import rank_info
+
+from .config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+DS_TAG = "deepspeed"  # DeepSpeed's own sub-directory inside a checkpoint
+
+
+def resolve_mixed_precision(name: str, cuda: bool) -> str:
+    """auto: bf16 autocast on GPU, fp32 on CPU (CPU bf16 matmuls are slow and the CPU runs are the tests'
+    exactness reference)."""
+    if name == "auto":
+        return "bf16" if cuda else "no"
+    if name not in ("no", "bf16"):
+        raise ValueError(f"train.mixed_precision={name!r}: expected auto, no or bf16")
+    return name
+
+
+def _export_slurm_ranks() -> None:
+    """Under `srun` without torchrun only SLURM_* is set; torch.distributed reads RANK/WORLD_SIZE."""
+    info = rank_info()
+    if info.world_size > 1 and "RANK" not in os.environ:
+        os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
+        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError("multi-task Slurm launch: export MASTER_ADDR (the first node's hostname)")
+
+
+class Parallel:
+    def __init__(self, cfg: TrainConfig):
+        from accelerate import Accelerator, DeepSpeedPlugin, DistributedDataParallelKwargs
+        from accelerate.utils import DistributedType
+
+        _export_slurm_ranks()
+        cuda = torch.cuda.is_available()
+        plugin = None
+        if cfg.deepspeed_config:
+            # Only GPUs: DeepSpeed's CPU backend needs oneCCL; CPU data parallelism is DDP over gloo.
+            if not cuda:
+                raise ValueError("train.deepspeed_config needs CUDA GPUs; on CPU leave it unset (plain DDP over gloo)")
+            plugin = DeepSpeedPlugin(hf_ds_config=str(cfg.deepspeed_config), gradient_accumulation_steps=cfg.grad_accum,
+                                     gradient_clipping=cfg.grad_clip)
+        self.accelerator = Accelerator(
+            cpu=not cuda,
+            mixed_precision=resolve_mixed_precision(cfg.mixed_precision, cuda),
+            gradient_accumulation_steps=cfg.grad_accum,
+            deepspeed_plugin=plugin,
+            # The objective's buffers (frozen target lm_head, vocab maps) are identical on every rank by
+            # construction; broadcasting them before every forward would cost a vocab x hidden copy.
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+        )
+        # Also true under `accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml` (plugin from env).
+        self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    # -- topology --------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.accelerator.mixed_precision
+
+    # -- wrapping ----------------------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        """Returns the wrapped (DDP / DeepSpeed engine / autocast-forward) model and optimizer. The LR
+        scheduler stays ours: accelerate's scheduler wrapper steps it once per process."""
+        return self.accelerator.prepare(model, optimizer)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    def accumulate(self, model: nn.Module):
+        """Context for one micro-batch: gradients are all-reduced (and the optimizer steps) only on the last
+        micro-batch of a step; earlier ones run under no_sync."""
+        return self.accelerator.accumulate(model)
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.accelerator.sync_gradients
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() scaled by 1/grad_accum (DeepSpeed scales inside its engine)."""
+        self.accelerator.backward(loss)
+
+    def clip_grad_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> Optional[float]:
+        """Clips the all-reduced gradients; returns the pre-clip global norm (DeepSpeed clips in its step
+        and reports the norm it saw)."""
+        norm = self.accelerator.clip_grad_norm_(list(parameters), max_norm)
+        return None if norm is None else float(norm)
+
+    def autocast(self):
+        """The training precision for forwards outside the wrapped model (validation)."""
+        return self.accelerator.autocast()
+
+    # -- collectives -------------------------------------------------------------------------------------------
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        out = tensor.detach().to(self.device, copy=True)
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
+        return out
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when any rank says True (e.g. a SIGTERM that reached one task first)."""
+        return bool(self.reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
+
+    def barrier(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    def end(self) -> None:
+        """Destroys the process group and accelerate's process-wide singletons, so another run in the same
+        process (tests, notebooks) can pick other settings."""
+        from accelerate.state import AcceleratorState, GradientState
+
+        self.accelerator.end_training()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    # -- state that lives in the wrapper (DeepSpeed keeps partitioned optimizer states) -------------------------
+    def save_engine_state(self, model: nn.Module, directory: Path) -> None:
+        """DeepSpeed only (a collective): its ZeRO-partitioned optimizer states, one file per rank."""
+        if self.deepspeed:
+            model.save_checkpoint(str(directory), tag=DS_TAG)
+
+    def load_engine_state(self, model: nn.Module, directory: Path) -> None:
+        if self.deepspeed:
+            model.load_checkpoint(str(directory), tag=DS_TAG, load_optimizer_states=True,
+                                  load_lr_scheduler_states=False)

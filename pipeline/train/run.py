@@ -1,0 +1,140 @@
+"""Stage train: `python -m pipeline.run stage=train experiment=<name> head=<eagle3|eagle1>`; several processes
+with `torchrun --nproc-per-node N -m pipeline.run stage=train ...` (gloo on CPU, NCCL on GPU), DeepSpeed
+ZeRO-2 with `train.deepspeed_config=conf/deepspeed/zero2.json`.
+
+Reads the dump (`outputs/<exp>/dump`), writes `outputs/<exp>/train/<head.name>/`:
+    checkpoints/step-N/   resumable state (see checkpoint.py); rerunning the command resumes from the last
+    final/                model.safetensors + head_config.json (with d2t/t2d): load with checkpoint.load_head
+    metrics.jsonl         every step's metrics; curves.png at the end; manifest.json when complete
+A SIGTERM/SIGUSR1 checkpoints and exits with checkpoint.REQUEUE_EXIT_CODE (75)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.hidden_states.reader import DumpReader
+from pipeline.manifest import MANIFEST, digest_file, to_plain, write_manifest
+from pipeline.target import load_target
+
+from . import checkpoint as ckpt
+from .data import prompt_of, split_train_val, truncated_lengths
+from .heads.common import build_draft_head
+from .heads.config import DraftHeadConfig
+from .loop import TauProbe, Trainer, build_objective
+from .metrics import CURVES_FILE, MetricsLog, plot_curves
+from .parallel import Parallel
+from .vocab import build_draft_vocab
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def main(cfg) -> dict:
+    """Trains `cfg.head` on this experiment's dump. Returns the final metrics (main rank)."""
+    t0 = time.perf_counter()
+    train_dir, dump_dir = cfg.stage_dir("train"), cfg.stage_dir("dump")
+    tcfg, hcfg = cfg.train, cfg.head
+    par = Parallel(tcfg)
+    if not tcfg.resume and ckpt.latest_checkpoint(train_dir) is not None:
+        raise RuntimeError(f"{train_dir} has checkpoints and train.resume=false; delete it or pick another experiment")
+    train_dir.mkdir(parents=True, exist_ok=True)
+
+    # The target only provides frozen weights (embeddings, lm_head) here, plus the real-tau decodes on rank 0.
+    target = load_target(dataclasses.replace(cfg.target, device=str(par.device)))
+    layer_ids = list(cfg.dump.layer_ids or default_layer_ids(target.num_layers))
+    reader = DumpReader(dump_dir, expect_target=target.fingerprint,
+                        expect_layer_ids=layer_ids if hcfg.kind == "eagle3" else None)
+    lengths = truncated_lengths(reader.lengths, tcfg.max_length)
+    train_idx, val_idx = split_train_val(len(reader), tcfg.val_fraction, tcfg.seed)
+    log.info("dump %s: %d rows (%d train / %d validation), %d tokens", dump_dir, len(reader), len(train_idx),
+             len(val_idx), reader.num_tokens)
+
+    head, vocab_info = build_head(cfg, target, reader, train_idx, layer_ids)
+    objective = build_objective(head, hcfg, target.model.get_output_embeddings().weight)
+    tau_probe = None
+    if par.is_main and tcfg.tau_prompts > 0:
+        prompts = [p for p in (prompt_of(reader[i]) for i in val_idx) if p is not None][:tcfg.tau_prompts]
+        tau_probe = TauProbe(target.model, prompts, tcfg.tau_max_new_tokens, cfg.eval.top_k, cfg.eval.depth,
+                             cfg.eval.total_tokens)
+    if tau_probe is None:
+        target.model = None  # nothing decodes on this rank: keep only the frozen weights copied out of it
+
+    dump_digest = digest_file(dump_dir / MANIFEST)
+    identity = {"dump_manifest_sha256": dump_digest, "head": head.config.to_dict(), "train_rows": len(train_idx)}
+    wandb_config = {"train": to_plain(tcfg), "head": to_plain(hcfg), "head_config": head.config.to_dict(),
+                    "target": target.fingerprint, "experiment": cfg.name, "world_size": par.world_size}
+    metrics = MetricsLog(train_dir, enabled=par.is_main, wandb_cfg=cfg.wandb, wandb_config=wandb_config,
+                         run_name=f"{cfg.name}-{hcfg.name}")
+    trainer = Trainer(tcfg, par, objective, reader, train_idx, val_idx, lengths, train_dir, metrics, tau_probe,
+                      identity)
+    log.info("training %s (%s): %d steps (%d per epoch, %d micro-batches x %d processes each), %s on %s",
+             hcfg.name, hcfg.kind, trainer.total_steps, trainer.steps_per_epoch, tcfg.grad_accum, par.world_size,
+             par.mixed_precision, par.device)
+    try:
+        final_metrics = trainer.fit()
+        if par.is_main:
+            finish(cfg, trainer, head, train_dir, dump_dir, target, vocab_info, final_metrics, t0)
+        metrics.close(summary=final_metrics)
+    finally:
+        metrics.close()  # also on a stop request / crash: the W&B run keeps what was logged
+        par.end()
+    return final_metrics
+
+
+def build_head(cfg, target, reader, train_idx, layer_ids):
+    """The head for `cfg.head.kind`, sized from the target, with the target's frozen weights and (EAGLE-3)
+    the draft vocabulary of the training split's loss-masked tokens."""
+    hcfg = cfg.head
+    vocab = None
+    if hcfg.kind == "eagle3":
+        vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in train_idx),
+                                  target.model.config.vocab_size, hcfg.draft_vocab_size)
+    config = DraftHeadConfig.from_target(
+        target.model.config, hcfg.kind, draft_vocab_size=vocab.size if vocab else None,
+        aux_layer_ids=layer_ids, rope_theta=hcfg.rope_theta, fc_bias=hcfg.fc_bias)
+    seed_everything(cfg.train.seed)  # same initial weights on every rank and every rerun
+    head = build_draft_head(config)
+    head.copy_from_target(target.model)
+    info = {"draft_vocab_size": config.draft_vocab_size}
+    if vocab is not None:
+        head.set_draft_vocab(vocab.d2t, vocab.t2d)
+        info["coverage"] = vocab.coverage
+    return head.to(target.device), info
+
+
+def finish(cfg, trainer: Trainer, head, train_dir: Path, dump_dir: Path, target, vocab_info: dict,
+           final_metrics: dict, t0: float) -> None:
+    """final/ head, curves.png and the manifest (main rank)."""
+    final_dir = train_dir / ckpt.FINAL
+    tmp = train_dir / f".{ckpt.FINAL}.tmp"
+    ckpt.save_head(trainer.par.unwrap(trainer.model).head, tmp)
+    if final_dir.exists():
+        import shutil
+        shutil.rmtree(final_dir)
+    tmp.rename(final_dir)
+    if cfg.train.plot:
+        plot_curves(train_dir / "metrics.jsonl", train_dir / CURVES_FILE,
+                    title=f"{cfg.name} / {cfg.head.name} ({cfg.head.kind})")
+    write_manifest(
+        train_dir, "train", config={"train": cfg.train, "head": cfg.head, "target": cfg.target, "dump": cfg.dump},
+        counts={"train_rows": len(trainer.train_idx), "val_rows": len(trainer.val_idx), "steps": trainer.step,
+                "steps_per_epoch": trainer.steps_per_epoch, "world_size": trainer.par.world_size, **vocab_info},
+        timings={"total_s": time.perf_counter() - t0}, inputs=[dump_dir],
+        target=target.fingerprint, head_config=head.config.to_dict(), final_metrics=final_metrics)
+    log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
+                                                     if k in ("val/loss", "val/sim_tau", "eval/tau")})
