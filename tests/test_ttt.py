@@ -36,7 +36,7 @@ def reference_ttt_loss(head, input_ids, loss_mask, aux_hidden, final_hidden, att
     valid = attention_mask.bool()
     pos = (valid.long().cumsum(1) - 1).clamp_min(0)
     layer, attn, cfg = head.midlayer, head.midlayer.self_attn, head.config
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    groups, head_dim = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
     target_logits = (final_hidden @ lm_head_w.T).float()  # [B,T,V]: state s predicts token s+1
     eye = torch.eye(t, dtype=torch.bool)
     block0 = (torch.ones(t, t, dtype=torch.bool).tril() & valid[:, None, :]) | eye  # [B,T,T]
@@ -46,14 +46,14 @@ def reference_ttt_loss(head, input_ids, loss_mask, aux_hidden, final_hidden, att
         ids = torch.zeros_like(input_ids)
         ids[:, : max(t - 1 - i, 0)] = input_ids[:, 1 + i :]
         x = torch.cat([layer.input_layernorm(head.embed_tokens(ids)), layer.hidden_norm(hidden)], -1)
-        q = attn.q_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
-        k = attn.k_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
-        v = attn.v_proj(x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        q = attn.q_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
         q, k = _rope(q, pos + i, cfg.rope_theta), _rope(k, pos + i, cfg.rope_theta)
         keys.append(k.repeat_interleave(groups, 1))
         values.append(v.repeat_interleave(groups, 1))
         mask = torch.cat([block0] + [eye.expand(b, t, t)] * i, dim=-1)[:, None]  # [B,1,T,(i+1)T]
-        scores = q @ torch.cat(keys, 2).transpose(-1, -2) / math.sqrt(HEAD_DIM)
+        scores = q @ torch.cat(keys, 2).transpose(-1, -2) / math.sqrt(head_dim)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         o = (probs @ torch.cat(values, 2)).transpose(1, 2).reshape(b, t, -1)
         h = hidden + attn.o_proj(o)
