@@ -56,23 +56,24 @@ class OpenAIBackend:
 
     # -- HTTP ------------------------------------------------------------------------------------------
 
-    def _http(self, method: str, path: str, body: Optional[dict] = None) -> dict:
+    def _http(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None) -> dict:
+        timeout_s = timeout_s or self.cfg.timeout_s
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")[:500]
             raise _RequestError(f"http_{e.code}", detail, retryable=e.code in RETRYABLE_STATUS) from None
         except (socket.timeout, TimeoutError) as e:
-            raise _RequestError("timeout", f"no answer within {self.cfg.timeout_s:g} s ({e})") from None
+            raise _RequestError("timeout", f"no answer within {timeout_s:g} s ({e})") from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, (socket.timeout, TimeoutError)):
-                raise _RequestError("timeout", f"no answer within {self.cfg.timeout_s:g} s") from None
+                raise _RequestError("timeout", f"no answer within {timeout_s:g} s") from None
             raise _RequestError("connection_error", str(e.reason)) from None
         except (ConnectionError, OSError) as e:  # reset mid-response, remote closed, ...
             raise _RequestError("connection_error", str(e)) from None
@@ -81,11 +82,12 @@ class OpenAIBackend:
         except json.JSONDecodeError:
             raise _RequestError("bad_response", f"not JSON: {raw[:200]!r}") from None
 
-    def _with_retries(self, method: str, path: str, body: Optional[dict] = None) -> tuple[dict, int]:
+    def _with_retries(self, method: str, path: str, body: Optional[dict] = None,
+                      timeout_s: Optional[float] = None) -> tuple[dict, int]:
         """(response, attempts); raises a non-retryable error at once, a retryable one once retries are spent."""
         for attempt in range(1, self.cfg.max_retries + 2):
             try:
-                return self._http(method, path, body), attempt
+                return self._http(method, path, body, timeout_s), attempt
             except _RequestError as e:
                 e.attempts = attempt
                 if not e.retryable or attempt > self.cfg.max_retries:
@@ -100,7 +102,8 @@ class OpenAIBackend:
         """Checks the server is up (fail fast rather than log a failure per request) and resolves the model:
         `default` takes the server's first model (llama.cpp and single-model vLLM/SGLang serve just one)."""
         try:
-            listing, _ = self._with_retries("GET", "/models")
+            # A cheap call: a generous timeout even when generation timeouts are tight.
+            listing, _ = self._with_retries("GET", "/models", timeout_s=max(self.cfg.timeout_s, 10.0))
         except _RequestError as e:
             raise ServerUnavailable(f"regen.openai.base_url={self.cfg.base_url}: {e.reason} ({e.detail})") from None
         ids = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]

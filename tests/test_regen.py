@@ -1,0 +1,294 @@
+"""Stage regen on the tiny Llama (SmolLM2 for the slow tests): what gets answered, batching, padding
+invariance, output readable by the data layer, degenerate answers, resumption after kill -9, two ranks."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import EagletConfig
+from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.config import DataConfig
+from pipeline.data.readers import read_sources
+from pipeline.dist import RankInfo, shard_for_rank
+from pipeline.manifest import load_manifest
+from pipeline.regen import run as regen_run
+from pipeline.regen.batching import RegenItem, make_plan, to_item
+from pipeline.regen.config import RegenConfig
+from pipeline.regen.hf_backend import HFBackend, stop_token_ids
+from pipeline.regen.shards import RegenStateError, regen_sources
+from pipeline.regen.waves import Answer, Request, degenerate_flags
+from pipeline.target import TargetConfig, load_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+QUESTIONS = [
+    "Hello! How can I help you today?", "What is 12 times 7?", "Write a short poem about the sea.",
+    "def add(a, b):", "The quick brown fox", "Answer briefly and precisely.", "Speculative decoding drafts tokens.",
+    "Why?", "Tell me about the wind and the stars, and then about the lazy dog.", "Hi", "What is 7?",
+    "Write a poem.", "Explain speculative decoding with a small head.", "The lazy dog.",
+]
+
+
+def _records() -> list[dict]:
+    """Every shape regen must handle: prompt only, ShareGPT with original answers to discard, system prompts,
+    MT-bench with a follow-up turn, OpenAI messages."""
+    rows = [{"id": f"p{i}", "conversations": [{"from": "human", "value": q}]} for i, q in enumerate(QUESTIONS)]
+    rows += [
+        {"id": "sg-multi", "conversations": [
+            {"from": "system", "value": "You are terse."}, {"from": "human", "value": "What is 12 times 7?"},
+            {"from": "gpt", "value": "ORIGINAL ANSWER ONE"}, {"from": "human", "value": "And times 8?"},
+            {"from": "gpt", "value": "ORIGINAL ANSWER TWO"}]},
+        {"question_id": "mt-1", "category": "math", "turns": ["What is 12 times 7?", "Now explain it."]},
+        {"id": "oa-1", "messages": [{"role": "user", "content": "Write a short poem."},
+                                    {"role": "assistant", "content": "ORIGINAL POEM"}]},
+    ]
+    return rows
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    path = tmp_path / "input.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    return path
+
+
+def _cfg(tmp_path, tiny_model_dir, source, name="run", **regen) -> EagletConfig:
+    settings = dict(batch_size=2, batches_per_shard=2, max_new_tokens=8, progress=False, wait_timeout_s=60)
+    settings.update(regen)
+    return EagletConfig(
+        name=name, output_root=str(tmp_path / "out"),
+        target=TargetConfig(name="tiny", path=str(tiny_model_dir), gguf_package=None),
+        data=DataConfig(sources=[str(source)]), regen=RegenConfig(**settings))
+
+
+def _shards(cfg: EagletConfig) -> dict[str, bytes]:
+    root = cfg.stage_dir("regen") / "shards"
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+
+
+def _read_back(regen_dir: Path) -> tuple[list[dict], BadRecordReport]:
+    report = BadRecordReport()
+    return list(read_sources(DataConfig(sources=regen_sources(regen_dir)), report)), report
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_model_dir):
+    return load_target(TargetConfig(name="tiny", path=str(tiny_model_dir), gguf_package=None))
+
+
+# --- what gets answered, and in which batches -------------------------------------------------------------
+
+
+def test_items_discard_answers_and_keep_every_user_turn():
+    conv = {"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+                                    {"role": "assistant", "content": "old"}, {"role": "user", "content": "u2"}],
+            "meta": {"category": "c"}}
+    assert to_item(conv, system_prompt="ignored") == RegenItem("a", "S", ("u1", "u2"), {"category": "c"})
+    # MT-bench follow-ups (data layer meta) and consecutive user messages are all turns to answer, in order.
+    mt = {"id": "m", "messages": [{"role": "user", "content": "t1"}], "meta": {"followup_turns": ["t2", "t3"]}}
+    assert to_item(mt, system_prompt="Be kind.") == RegenItem("m", "Be kind.", ("t1", "t2", "t3"), {})
+    users = {"id": "u", "messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}
+    assert to_item(users).user_turns == ("x", "y") and to_item(users).system is None
+
+
+def test_plan_groups_by_turns_and_length_and_partitions_deterministically():
+    items = [RegenItem(f"i{k}", None, ("q" * n,) * turns) for k, (n, turns) in
+             enumerate([(9, 1), (1, 1), (5, 2), (3, 1), (7, 1), (2, 2), (8, 1)])]
+    length = lambda item: len(item.user_turns[0])  # noqa: E731
+    plan = make_plan(items, batch_size=2, batches_per_shard=2, prompt_length=length)
+    ordered = [items[i].id for b in plan.batches for i in b]
+    assert ordered == ["i1", "i3", "i4", "i6", "i0", "i5", "i2"]  # one-turn by length, then two-turn
+    assert plan.n_shards == 2 and list(plan.shard_batches(1)) == [2, 3]
+    assert make_plan(list(items), 2, 2, length) == plan  # same input, same plan
+    changed = items[:1] + [RegenItem("i1", None, ("z",))] + items[2:]
+    assert make_plan(changed, 2, 2, length).digest != plan.digest  # content is part of the identity
+    for world in (1, 2, 3):
+        owned = [s for r in range(world) for s in shard_for_rank(plan.n_shards, RankInfo(r, world, 0))]
+        assert sorted(owned) == list(range(plan.n_shards))
+
+
+# --- the hf backend -----------------------------------------------------------------------------------------
+
+
+def test_padded_batch_answers_equal_answers_alone(tiny_target):
+    backend = HFBackend(tiny_target, max_new_tokens=12)
+    requests = [Request([{"role": "user", "content": q}], seed=0) for q in QUESTIONS[:5]]
+    batched = backend.generate(requests)
+    assert len({len(backend.prompt_ids(r.messages)) for r in requests}) > 1  # really padded
+    for request, answer in zip(requests, batched):
+        assert backend.generate([request])[0] == answer
+
+
+def test_stop_tokens_and_degenerate_flags(tiny_target):
+    tok = tiny_target.tokenizer
+    assert tok.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(tok, tiny_target.model)
+    assert degenerate_flags(Answer(" \n", 1, "stop")) == ["empty"]
+    assert degenerate_flags(Answer("cut", 8, "length")) == ["truncated"]
+    assert degenerate_flags(Answer("fine", 3, "stop")) == []
+
+
+def test_sampling_is_seeded(tmp_path, tiny_model_dir, source):
+    outs = []
+    for name, seed in (("s1", 3), ("s2", 3), ("s3", 4)):
+        cfg = _cfg(tmp_path, tiny_model_dir, source, name, temperature=1.0, top_p=0.9, seed=seed, limit=4)
+        regen_run.main(cfg)
+        outs.append(_shards(cfg))
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+
+
+# --- the stage ----------------------------------------------------------------------------------------------
+
+
+def test_stage_answers_every_turn_and_the_data_layer_reads_it(tmp_path, tiny_model_dir, source):
+    cfg = _cfg(tmp_path, tiny_model_dir, source, max_new_tokens=6)
+    summary = regen_run.main(cfg)
+    out = cfg.stage_dir("regen")
+    manifest = load_manifest(out, expect_stage="regen")
+    convs, report = _read_back(out)
+
+    n_in = len(_records())
+    assert report.total == 0 and sorted(c["id"] for c in convs) == sorted({c["id"] for c in convs})
+    assert len(convs) == n_in == summary["written"] == manifest["counts"]["conversations"]
+    by_id = {c["id"]: c["messages"] for c in convs}
+    assert [m["role"] for m in by_id["sg-multi"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in by_id["mt-1"] if m["role"] == "user"] == ["What is 12 times 7?", "Now explain it."]
+    assert len(by_id["mt-1"]) == 4 and len(by_id["oa-1"]) == 2
+    answers = [m["content"] for msgs in by_id.values() for m in msgs if m["role"] == "assistant"]
+    assert not any(a.startswith("ORIGINAL") for a in answers)
+    assert manifest["counts"]["turns"] == len(answers) == n_in + 2
+
+    # The tiny random model never says <|im_end|>: every turn is cut at max_new_tokens, and flagged.
+    assert manifest["counts"]["degenerate_turns"] == {"truncated": n_in + 2}
+    assert manifest["counts"]["tokens_generated"] == 6 * (n_in + 2)
+    raw = [json.loads(line) for p in sorted((out / "shards").iterdir()) for line in p.read_text().splitlines()]
+    assert {r["id"]: r["regen_flags"]["truncated"] for r in raw}["mt-1"] == [0, 1]
+    assert {r["id"]: r.get("category") for r in raw}["mt-1"] == "math"
+    fp = manifest["target"]
+    assert fp["weights_digest"] and manifest["generation"]["max_new_tokens"] == 6
+    assert len(manifest["shards"]) == manifest["plan"]["shards"] == 5 and manifest["errors"] == []
+
+    # A partly written file (what a kill leaves) is never read; a rerun finds every shard done, generates
+    # nothing, and clears the leftover.
+    before = _shards(cfg)
+    (out / "shards" / ".shard-00001.jsonl.999.tmp").write_text('{"id": "half-writ')
+    again, again_report = _read_back(out)
+    assert again == convs and again_report.total == 0
+    assert regen_run.main(cfg)["tokens"] == 6 * (n_in + 2)  # totals come from the done-markers
+    assert _shards(cfg) == before
+
+
+def test_degenerate_answers_can_be_dropped(tmp_path, tiny_model_dir, source):
+    cfg = _cfg(tmp_path, tiny_model_dir, source, on_degenerate="drop", limit=5)
+    summary = regen_run.main(cfg)
+    assert summary["written"] == 0 and summary["dropped_degenerate"] == 5
+    assert load_manifest(cfg.stage_dir("regen"))["counts"]["conversations"] == 0
+
+
+def test_refuses_a_directory_of_another_run(tmp_path, tiny_model_dir, source):
+    regen_run.main(_cfg(tmp_path, tiny_model_dir, source, limit=3))
+    with pytest.raises(RegenStateError, match="different generation"):
+        regen_run.main(_cfg(tmp_path, tiny_model_dir, source, limit=3, max_new_tokens=5))
+    summary = regen_run.main(_cfg(tmp_path, tiny_model_dir, source, limit=3, max_new_tokens=5, overwrite=True))
+    assert summary["tokens"] == 3 * 5
+
+
+# --- resumption and ranks (subprocesses) ---------------------------------------------------------------------
+
+
+def _stage_cmd(cfg: EagletConfig) -> list[str]:
+    r = cfg.regen
+    return [sys.executable, "-m", "pipeline.run", "stage=regen", f"name={cfg.name}", f"output_root={cfg.output_root}",
+            f"target.path={cfg.target.path}", "target.gguf_package=null", "target.name=tiny",
+            f"data.sources=[{cfg.data.sources[0]}]", f"regen.batch_size={r.batch_size}",
+            f"regen.batches_per_shard={r.batches_per_shard}", f"regen.max_new_tokens={r.max_new_tokens}",
+            "regen.progress=false", f"regen.wait_timeout_s={r.wait_timeout_s}"]
+
+
+def _env(threads: int, **extra) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **extra}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, source):
+    cfg = _cfg(tmp_path, tiny_model_dir, source, name="killed", batch_size=1, batches_per_shard=2,
+               max_new_tokens=48)
+    first_shard = cfg.stage_dir("regen") / "shards" / "shard-00000.jsonl"
+    proc = subprocess.Popen(_stage_cmd(cfg), cwd=REPO, env=_env(2), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not first_shard.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert proc.poll() is None, f"finished before the kill: {proc.stderr.read().decode()[-2000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    out = cfg.stage_dir("regen")
+    n_done = len(list((out / "shards").glob("*.jsonl")))
+    assert 1 <= n_done < 9 and not (out / "manifest.json").exists()
+
+    resumed = subprocess.run(_stage_cmd(cfg), cwd=REPO, env=_env(2), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "(resuming)" in resumed.stdout + resumed.stderr  # Hydra logs to stdout
+
+    torch.set_num_threads(2)  # as the subprocesses
+    reference = _cfg(tmp_path, tiny_model_dir, source, name="whole", batch_size=1, batches_per_shard=2,
+                     max_new_tokens=48)
+    regen_run.main(reference)
+    assert _shards(cfg) == _shards(reference)
+    ids = [c["id"] for c in _read_back(out)[0]]
+    assert len(ids) == len(set(ids)) == len(_records())
+
+
+def test_two_ranks_write_disjoint_shards_whose_union_is_the_single_rank_output(tmp_path, tiny_model_dir, source):
+    cfg = _cfg(tmp_path, tiny_model_dir, source, name="ranks", batches_per_shard=1)
+    # Rank 1 starts late: rank 0 must wait for its shards before writing the manifest.
+    procs = [subprocess.Popen(_stage_cmd(cfg), cwd=REPO, env=_env(1, RANK="0", WORLD_SIZE="2"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+    time.sleep(3)
+    procs.append(subprocess.Popen(_stage_cmd(cfg), cwd=REPO, env=_env(1, SLURM_PROCID="1", SLURM_NTASKS="2"),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    manifest = load_manifest(cfg.stage_dir("regen"), expect_stage="regen")
+    by_rank = {r: {s["path"] for s in manifest["shards"] if s["rank"] == r} for r in (0, 1)}
+    assert by_rank[0] and by_rank[1] and not by_rank[0] & by_rank[1]
+
+    torch.set_num_threads(1)  # as each rank
+    try:
+        single = _cfg(tmp_path, tiny_model_dir, source, name="single", batches_per_shard=1)
+        regen_run.main(single)
+    finally:
+        torch.set_num_threads(2)
+    assert _shards(cfg) == _shards(single)
+    assert load_manifest(single.stage_dir("regen"))["counts"] == manifest["counts"]
+
+
+# --- SmolLM2 --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_padded_batch_matches_alone_and_stops_at_end_of_turn(smollm2):
+    backend = HFBackend(smollm2, max_new_tokens=20)
+    assert smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>") in backend.stop_ids
+    questions = ["Why do cats purr?", "Give me a one-sentence definition of photosynthesis, please, in plain "
+                 "English and without any jargon at all.", "Say hi."]
+    requests = [Request([{"role": "user", "content": q}], seed=0) for q in questions]
+    batched = backend.generate(requests)
+    for request, answer in zip(requests, batched):
+        alone = backend.generate([request])[0]
+        assert alone.text == answer.text, (alone.text, answer.text)
+    short = HFBackend(smollm2, max_new_tokens=64).generate([requests[2]])[0]
+    assert short.finish_reason == "stop" and short.text.strip() and short.n_tokens < 64

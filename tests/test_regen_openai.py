@@ -1,0 +1,136 @@
+"""regen.backend=openai against a real OpenAI-compatible server: llama.cpp's (llama-cpp-python[server]) serving
+the same SmolLM2 GGUF on 127.0.0.1. A request the server rejects, or one that times out after its retries,
+goes to the error file with its reason and the run goes on."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import EagletConfig
+from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.config import DataConfig
+from pipeline.data.readers import read_sources
+from pipeline.manifest import load_manifest
+from pipeline.regen import run as regen_run
+from pipeline.regen.config import OpenAIBackendConfig, RegenConfig
+from pipeline.regen.openai_backend import OpenAIBackend, ServerUnavailable
+from pipeline.regen.shards import regen_sources
+from pipeline.target import TargetConfig, packaged_gguf
+
+N_CTX = 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory):
+    if importlib.util.find_spec("llama_cpp") is None:
+        message = "llama-cpp-python[server] is not installed (pip install -e '.[test]')"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    cfg = TargetConfig()
+    gguf = packaged_gguf(cfg.gguf_package, cfg.gguf_file)
+    port = _free_port()
+    log = tmp_path_factory.mktemp("llama_server") / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+             "--n_threads", "2", "--n_ctx", str(N_CTX)], stdout=f, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(base_url + "/models", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"llama.cpp server did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield base_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _cfg(tmp_path, base_url, rows, name, **openai) -> EagletConfig:
+    source = tmp_path / f"{name}.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return EagletConfig(
+        name=name, output_root=str(tmp_path / "out"), target=TargetConfig(),
+        data=DataConfig(sources=[str(source)]),
+        regen=RegenConfig(backend="openai", batch_size=4, batches_per_shard=1, max_new_tokens=12, progress=False,
+                          openai=OpenAIBackendConfig(base_url=base_url, concurrency=2, **openai)))
+
+
+@pytest.mark.slow
+def test_openai_backend_regenerates_and_records_failures(tmp_path, llama_server):
+    rows = [
+        {"id": "cats", "conversations": [{"from": "human", "value": "Why do cats purr?"},
+                                         {"from": "gpt", "value": "ORIGINAL"}]},
+        {"question_id": "mt", "turns": ["Name a fruit.", "What colour is it?"]},
+        {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}]},
+        {"id": "too-long", "messages": [{"role": "user", "content": "word " * (2 * N_CTX)}]},
+    ]
+    cfg = _cfg(tmp_path, llama_server, rows, "served")
+    summary = regen_run.main(cfg)
+    out = cfg.stage_dir("regen")
+    manifest = load_manifest(out, expect_stage="regen")
+
+    assert summary["written"] == 3 and manifest["counts"]["failures_by_reason"] == {"http_400": 1}
+    [error_file] = manifest["errors"]
+    [error] = [json.loads(line) for line in (out / error_file["path"]).read_text().splitlines()]
+    assert error["id"] == "too-long" and error["reason"] == "http_400" and error["attempts"] == 1  # not retried
+    assert "context" in error["detail"]
+
+    report = BadRecordReport()
+    convs = {c["id"]: c["messages"] for c in read_sources(DataConfig(sources=regen_sources(out)), report)}
+    assert report.total == 0 and set(convs) == {"cats", "mt", "hi"}
+    assert [m["role"] for m in convs["mt"]] == ["user", "assistant", "user", "assistant"]
+    answers = [m["content"] for msgs in convs.values() for m in msgs if m["role"] == "assistant"]
+    assert len(answers) == 4 and all(a.strip() for a in answers) and "ORIGINAL" not in answers
+    assert 4 <= manifest["counts"]["tokens_generated"] <= 4 * 12
+    assert manifest["generation"]["served_model"].endswith(".gguf")
+    assert manifest["target"]["weights_digest"] is None and manifest["target"]["tokenizer_digest"]
+
+    # At temperature 0 the server is deterministic: a second run answers identically.
+    again = _cfg(tmp_path, llama_server, rows, "served-again")
+    regen_run.main(again)
+    shard = lambda c: sorted((c.stage_dir("regen") / "shards").glob("*.jsonl"))  # noqa: E731
+    assert [p.read_text() for p in shard(cfg)] == [p.read_text() for p in shard(again)]
+
+
+@pytest.mark.slow
+def test_timeouts_are_retried_then_recorded(tmp_path, llama_server):
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Count to {i + 3}."}]} for i in range(2)]
+    cfg = _cfg(tmp_path, llama_server, rows, "timeouts", timeout_s=0.001, max_retries=1, backoff_s=0.01)
+    cfg.regen.max_new_tokens = 2
+    summary = regen_run.main(cfg)
+    assert summary["written"] == 0 and summary["failures_by_reason"] == {"timeout": 2}
+    out = cfg.stage_dir("regen")
+    errors = [json.loads(line) for e in load_manifest(out)["errors"] for line in (out / e["path"]).read_text().splitlines()]
+    assert sorted(e["id"] for e in errors) == ["q0", "q1"] and {e["attempts"] for e in errors} == {2}
+
+
+def test_unreachable_server_fails_fast():
+    cfg = OpenAIBackendConfig(base_url=f"http://127.0.0.1:{_free_port()}/v1", max_retries=1, backoff_s=0.01)
+    with pytest.raises(ServerUnavailable, match="connection_error"):
+        OpenAIBackend(cfg, max_new_tokens=4)
