@@ -148,7 +148,7 @@ def latest_checkpoint(train_dir: Path) -> Optional[Path]:
 
 
 def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler, trainer_state: dict,
-                    keep: int) -> Path:
+                    keep: int, before_rename=None) -> Path:
     """Collective: every rank calls it. Rank 0 writes the head/optimizer/scheduler/state, every rank its RNG
     state (and, under DeepSpeed, its optimizer partition) into a temporary directory that rank 0 then renames
     to checkpoints/step-N and prunes to the last `keep`."""
@@ -171,6 +171,8 @@ def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler
     if par.is_main:
         _write_json(tmp / TRAINER_STATE, trainer_state)
         _fsync_dir(tmp)
+        if before_rename is not None:
+            before_rename()
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

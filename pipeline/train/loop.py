@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +178,17 @@ class TauProbe:
                 "eval/decode_s": time.perf_counter() - t0}
 
 
+# Fault injection for the resume tests: "<when>:<step>" with when = kill (SIGKILL after step N is logged),
+# kill_in_save (SIGKILL inside step N's checkpoint write, before the rename) or term (SIGTERM during step N).
+FAULT_ENV = "EAGLET_TRAIN_FAULT"
+
+
+def _fault(when: str, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec and spec.split(":")[0] == when and int(spec.split(":")[1]) == step:
+        os.kill(os.getpid(), signal.SIGTERM if when == "term" else signal.SIGKILL)
+
+
 class StopForRequeue(SystemExit):
     def __init__(self):
         super().__init__(ckpt.REQUEUE_EXIT_CODE)
@@ -287,7 +300,8 @@ class Trainer:
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.train_dir, self.par, self.model, self.optimizer, self.scheduler,
-                                    self.trainer_state(), self.cfg.keep_checkpoints)
+                                    self.trainer_state(), self.cfg.keep_checkpoints,
+                                    before_rename=lambda: _fault("kill_in_save", self.step))
 
     def resume(self) -> Optional[Path]:
         path = ckpt.latest_checkpoint(self.train_dir) if self.cfg.resume else None
@@ -316,12 +330,14 @@ class Trainer:
         with ckpt.StopRequest() as stop:
             while self.step < self.total_steps:
                 metrics = self.train_step()
+                _fault("term", self.step)  # as if the signal arrived during step N
                 stopping = self.par.any(stop.requested)
                 done = self.step == self.total_steps
                 if done or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     metrics.update(self.validate())
                 # Logged before the checkpoint: a checkpoint at step N always has step N's record behind it.
                 self.metrics.log(self.step, metrics)
+                _fault("kill", self.step)
                 if self.par.is_main and (self.step % max(cfg.log_every, 1) == 0 or done or self.step == 1):
                     log.info("step %d/%d %s", self.step, self.total_steps, _fmt(metrics))
                 if done or stopping or (cfg.save_every and self.step % cfg.save_every == 0):

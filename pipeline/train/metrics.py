@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -134,7 +135,7 @@ def init_wandb(wandb_cfg, train_dir: Path, config: dict, run_name: Optional[str]
     import wandb
 
     id_file = Path(train_dir) / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id + "\n")
     wandb_dir = Path(wandb_cfg.dir) if wandb_cfg.dir else Path(train_dir)
     wandb_dir.mkdir(parents=True, exist_ok=True)

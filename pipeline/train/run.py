@@ -46,10 +46,17 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 def main(cfg) -> dict:
     """Trains `cfg.head` on this experiment's dump. Returns the final metrics (main rank)."""
+    par = Parallel(cfg.train)
+    try:
+        return train(cfg, par)
+    finally:
+        par.end()
+
+
+def train(cfg, par: Parallel) -> dict:
     t0 = time.perf_counter()
     train_dir, dump_dir = cfg.stage_dir("train"), cfg.stage_dir("dump")
     tcfg, hcfg = cfg.train, cfg.head
-    par = Parallel(tcfg)
     if not tcfg.resume and ckpt.latest_checkpoint(train_dir) is not None:
         raise RuntimeError(f"{train_dir} has checkpoints and train.resume=false; delete it or pick another experiment")
     train_dir.mkdir(parents=True, exist_ok=True)
@@ -92,7 +99,6 @@ def main(cfg) -> dict:
         metrics.close(summary=final_metrics)
     finally:
         metrics.close()  # also on a stop request / crash: the W&B run keeps what was logged
-        par.end()
     return final_metrics
 
 

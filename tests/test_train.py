@@ -1,0 +1,323 @@
+"""Stage train on a tiny dump made by the real dump stage from the tiny random Llama: data order and batching,
+LR schedule, manifest refusals, an end-to-end run per head (metrics.jsonl, W&B offline history, final/ head,
+load_head, curves, manifest) and rerunning a finished stage.
+
+The helpers here (tiny dump, overrides usable both as Hydra CLI arguments and as a typed config) are shared
+with test_train_resume.py and test_train_ddp.py."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import EagletConfig, TargetConfig, WandbConfig
+from pipeline.data.config import DataConfig, SourceConfig
+from pipeline.hidden_states.config import DumpConfig
+from pipeline.hidden_states.reader import DumpReader
+from pipeline.manifest import ManifestError, digest_file, load_manifest
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.config import HeadConfig, TrainConfig
+from pipeline.train.data import (StepSchedule, collate, epoch_batches, eval_batches, pack, split_train_val,
+                                 truncated_lengths)
+from pipeline.train.loop import lr_factor
+from pipeline.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENT = "t"
+
+# ---------------------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def tiny_target(model_dir: Path) -> TargetConfig:
+    return TargetConfig(name="tiny", path=str(model_dir), gguf_package=None, gguf_file=None, hub_id=str(model_dir))
+
+
+def build_tiny_dump(root: Path, model_dir: Path, shared_data: Path, rows: int = 48) -> Path:
+    """outputs root with <root>/t/dump written by the dump stage (alpaca demo conversations, <= 96 tokens)."""
+    from pipeline.hidden_states.run import main as dump_main
+
+    source = SourceConfig(path=str(shared_data / "alpaca_en_demo" / "alpaca_en_demo.json"), limit=rows)
+    cfg = EagletConfig(stage="dump", name=EXPERIMENT, output_root=str(root), target=tiny_target(model_dir),
+                       data=DataConfig(name="tiny", sources=[source], max_length=96), dump=DumpConfig(input="data"))
+    dump_main(cfg)
+    return root
+
+
+# Train settings of the tests: 41 dump rows -> 35 train / 6 validation rows, 7 steps per epoch at 512 tokens.
+BASE_TRAIN = dict(epochs=2, lr=3e-3, warmup_steps=2, micro_batch_tokens=512, grad_accum=1, save_every=4,
+                  eval_every=4, log_every=1, val_fraction=0.15, tau_prompts=1, tau_max_new_tokens=12, seed=0)
+
+
+def overrides(root: Path, model_dir: Path, kind: str, name: str, **train) -> dict:
+    """Dotted-key settings of a tiny train run; `as_cli` and `as_config` give the same run two ways."""
+    d = {"stage": "train", "name": EXPERIMENT, "output_root": str(root), "target.name": "tiny",
+         "target.path": str(model_dir), "head.kind": kind, "head.name": name, "head.ttt_steps": 3,
+         "head.draft_vocab_size": 200, "wandb.mode": "disabled"}
+    d.update({f"train.{k}": v for k, v in {**BASE_TRAIN, **train}.items()})
+    return d
+
+
+def as_cli(d: dict) -> list[str]:
+    head = d["head.kind"]
+    args = [f"head={head}", "target=hf"]
+    for k, v in d.items():
+        if k == "head.kind":
+            continue
+        args.append(f"{k}={'null' if v is None else v}")
+    return args
+
+
+def as_config(d: dict) -> EagletConfig:
+    cfg = EagletConfig(target=tiny_target(Path(d["target.path"])), head=HeadConfig(), train=TrainConfig(),
+                       wandb=WandbConfig())
+    for key, value in d.items():
+        obj, *path = key.split(".")
+        if not path:
+            setattr(cfg, obj, value)
+            continue
+        setattr(getattr(cfg, obj), path[0], value)
+    return cfg
+
+
+def run_cli(d: dict, env: dict | None = None, timeout: int = 120, launcher: list[str] | None = None):
+    cmd = (launcher or [sys.executable]) + ["-m", "pipeline.run"] + as_cli(d)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
+
+
+def train_losses(train_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(train_dir / "metrics.jsonl") if "train/loss" in r}
+
+
+@pytest.fixture(scope="module")
+def dump_root(tmp_path_factory, tiny_model_dir, shared_data) -> Path:
+    return build_tiny_dump(tmp_path_factory.mktemp("train"), tiny_model_dir, shared_data)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# data order and batching
+
+
+def test_split_is_seeded_disjoint_and_complete():
+    train, val = split_train_val(41, 0.15, seed=0)
+    assert sorted(train + val) == list(range(41)) and len(val) == 6
+    assert split_train_val(41, 0.15, seed=0) == (train, val)
+    assert split_train_val(41, 0.15, seed=1)[1] != val
+    assert len(split_train_val(5, 0.01, seed=0)[1]) == 1  # a positive fraction always holds out a row
+
+
+def test_packing_respects_the_token_budget_and_covers_every_row_once():
+    lengths = [5, 40, 12, 90, 33, 7, 64, 64, 3, 120]
+    batches = epoch_batches(range(10), lengths, max_tokens=128, bucket_size=4, seed=3, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(10))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 128
+    assert epoch_batches(range(10), lengths, 128, 4, seed=3, epoch=0) == batches  # (seed, epoch) -> order
+    assert epoch_batches(range(10), lengths, 128, 4, seed=3, epoch=1) != batches
+    assert pack([3], [0, 0, 0, 500], 128) == [[3]]  # longer than the budget: alone
+
+
+def test_step_schedule_splits_a_step_across_ranks_like_grad_accum():
+    one = StepSchedule(grad_accum=2)
+    ranks = [StepSchedule(grad_accum=1, rank=r, world_size=2) for r in range(2)]
+    for step in range(3):
+        assert sorted(ranks[0].rank_batches(7, step) + ranks[1].rank_batches(7, step)) == one.rank_batches(7, step)
+    assert one.steps_per_epoch(7) == 3  # the partial block at the end of an epoch is dropped
+    with pytest.raises(IndexError):
+        one.rank_batches(7, 3)
+
+
+def test_lr_schedule_warmup_then_cosine_or_linear_to_the_floor():
+    cfg = TrainConfig(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    assert [lr_factor(s, 20, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, 20, cfg) == pytest.approx(1.0)
+    assert lr_factor(19, 20, cfg) == pytest.approx(0.1)
+    lin = TrainConfig(warmup_steps=0, schedule="linear")
+    assert lr_factor(0, 11, lin) == 1.0 and lr_factor(5, 11, lin) == pytest.approx(0.5)
+
+
+def test_collate_right_pads_and_truncates(dump_root):
+    reader = DumpReader(dump_root / EXPERIMENT / "dump")
+    rows = [0, 1, 2]
+    batch = collate(reader, rows, max_length=50, with_aux=True)
+    t = min(50, max(int(reader.lengths[i]) for i in rows))
+    assert batch.input_ids.shape == (3, t) and batch.aux_hidden.shape == (3, t, 3 * reader.hidden_size)
+    for r, i in enumerate(rows):
+        n = min(int(reader.lengths[i]), 50)
+        s = reader[i]
+        assert batch.attention_mask[r].sum() == n and not batch.attention_mask[r, n:].any()
+        assert torch.equal(batch.input_ids[r, :n], s.input_ids[:n])
+        assert torch.equal(batch.final_hidden[r, :n], s.final_hidden[:n].float())
+        assert not batch.loss_mask[r, n:].any() and not batch.final_hidden[r, n:].any()
+    assert collate(reader, rows, 50, with_aux=False).aux_hidden is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the manifest check comes first
+
+
+def _copy_target(src: Path, dst: Path, chat_template: str | None = None, reseed: bool = False) -> Path:
+    shutil.copytree(src, dst)
+    if chat_template is not None:
+        cfg_path = dst / "tokenizer_config.json"
+        tok_cfg = json.loads(cfg_path.read_text())
+        tok_cfg["chat_template"] = chat_template
+        cfg_path.write_text(json.dumps(tok_cfg))
+        (dst / "chat_template.jinja").unlink(missing_ok=True)
+    if reseed:
+        from conftest import build_tiny_llama
+
+        build_tiny_llama(json.loads((dst / "config.json").read_text())["vocab_size"], seed=1).save_pretrained(dst)
+    return dst
+
+
+def test_dump_from_another_target_tokenizer_or_layer_list_is_refused(dump_root, tiny_model_dir, tmp_path):
+    from pipeline.train.run import main
+
+    other_weights = _copy_target(tiny_model_dir, tmp_path / "other_weights", reseed=True)
+    other_template = _copy_target(tiny_model_dir, tmp_path / "other_template",
+                                  chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    base = overrides(dump_root, tiny_model_dir, "eagle3", "refused")
+    for target_dir, what in ((other_weights, "weights digest"), (other_template, "tokenizer digest")):
+        with pytest.raises(ManifestError, match=what) as e:
+            main(as_config({**base, "target.path": str(target_dir)}))
+        assert str(target_dir) in str(e.value) and "dump" in str(e.value)  # names both sides
+    cfg = as_config(base)
+    cfg.dump.layer_ids = [1, 3, 5]
+    with pytest.raises(ManifestError, match=r"dump layer ids mismatch(.|\n)*\[1, 3, 5\](.|\n)*\[2, 4, 5\]"):
+        main(cfg)
+    assert not (dump_root / EXPERIMENT / "train" / "refused" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# end to end
+
+
+def read_wandb_history(run_file: Path) -> list[dict]:
+    """History rows of an offline W&B run: the .wandb file is a LevelDB-style log (7-byte file header,
+    32 KiB blocks, records of [crc32 u32][length u16][type u8] + payload, FULL/FIRST/MIDDLE/LAST chunks)
+    whose payloads are wandb_internal_pb2.Record protobufs."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, chunk, rows = run_file.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B", data[:7]
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a record header never straddles a block: the tail is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_eagle3_trains_end_to_end_with_offline_wandb(dump_root, tiny_model_dir, tmp_path):
+    from pipeline.target import load_target
+    from pipeline.train.run import main
+    from pipeline.train.vocab import build_draft_vocab
+
+    d = overrides(dump_root, tiny_model_dir, "eagle3", "e3", **{"max_steps": 10})
+    cfg = as_config(d)
+    cfg.wandb = WandbConfig(project="eaglet-test", mode="offline", dir=str(tmp_path / "wb"))
+    final = main(cfg)
+    train_dir = dump_root / EXPERIMENT / "train" / "e3"
+
+    records = read_metrics(train_dir / "metrics.jsonl")
+    train = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 11))
+    keys = {"train/loss", "train/loss_0", "train/loss_2", "train/acc_0", "train/acc_2", "train/sim_tau", "lr",
+            "grad_norm", "tokens_per_s"}
+    assert keys <= set(train[0])
+    assert [r["lr"] for r in train[:3]] == pytest.approx([1.5e-3, 3e-3, 3e-3 * lr_factor(2, 10, cfg.train)])
+    for r in train:  # sim_tau is the chain formula over this step's per-round accuracies
+        acc = [r[f"train/acc_{k}"] for k in range(3)]
+        assert r["train/sim_tau"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
+    val = {r["step"]: r["val/sim_tau"] for r in records if "val/sim_tau" in r}
+    assert sorted(val) == [0, 4, 8, 10]
+    assert val[10] > val[0] == 1.0  # an untrained head never matches the target's top-1
+    taus = {r["step"]: r["eval/tau"] for r in records if "eval/tau" in r}
+    assert sorted(taus) == [0, 4, 8, 10] and all(t >= 1.0 for t in taus.values())
+    assert final["val/sim_tau"] == val[10]
+
+    # W&B offline: the run's history holds the same keys and steps.
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    history = read_wandb_history(runs[0])
+    assert {"train/loss", "train/acc_0", "train/sim_tau", "lr", "val/sim_tau", "eval/tau"} <= set().union(*history)
+    assert max(row["_step"] for row in history) == 10
+
+    # Checkpoints: the last two, complete; the final head; curves; manifest.
+    assert [p.name for p in ckpt.checkpoint_dirs(train_dir)] == ["step-8", "step-10"]
+    assert not list((train_dir / "checkpoints").glob(".*"))
+    assert (train_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    manifest = load_manifest(train_dir, expect_stage="train")
+    dump_dir = dump_root / EXPERIMENT / "dump"
+    assert manifest["inputs"][0]["manifest_sha256"] == digest_file(dump_dir / "manifest.json")
+    assert manifest["counts"]["steps"] == 10
+
+    # final/: trained weights + vocab maps, no frozen target copies; rope_theta as trained.
+    from safetensors.torch import load_file
+
+    weights = load_file(str(train_dir / "final" / "model.safetensors"))
+    assert "embed_tokens.weight" not in weights and {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= set(weights)
+    head_config = json.loads((train_dir / "final" / "head_config.json").read_text())
+    assert head_config["rope_theta"] == cfg.head.rope_theta and head_config["aux_layer_ids"] == [2, 4, 5]
+
+    # The draft vocabulary is the training split's most frequent loss-masked tokens.
+    reader = DumpReader(dump_dir)
+    train_idx, _ = split_train_val(len(reader), cfg.train.val_fraction, cfg.train.seed)
+    vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in train_idx), 384, 200)
+    assert torch.equal(weights["d2t"], vocab.d2t) and torch.equal(weights["t2d"], vocab.t2d)
+    assert head_config["draft_vocab_size"] == vocab.size
+
+    # load_head: the trained weights, embeddings from the target, eval mode; a foreign target is refused.
+    target = load_target(tiny_target(tiny_model_dir))
+    head = ckpt.load_head(train_dir, target)
+    assert not head.training
+    assert torch.equal(head.fc.weight, weights["fc.weight"])
+    assert torch.equal(head.embed_tokens.weight, target.model.get_input_embeddings().weight)
+    foreign = dict(target.fingerprint, weights_digest="0" * 16)
+    with pytest.raises(ManifestError, match="weights digest"):
+        ckpt.load_head(train_dir, type(target)(**{**target.__dict__, "fingerprint": foreign}))
+
+
+def test_eagle1_trains_and_a_rerun_of_a_finished_stage_changes_nothing(dump_root, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from pipeline.target import load_target
+    from pipeline.train.run import main
+
+    d = overrides(dump_root, tiny_model_dir, "eagle1", "e1", **{"max_steps": 6, "save_every": 3,
+                                                                  "eval_every": 3})
+    main(as_config(d))
+    train_dir = dump_root / EXPERIMENT / "train" / "e1"
+    records = read_metrics(train_dir / "metrics.jsonl")
+    last = [r for r in records if "train/loss" in r][-1]
+    assert last["step"] == 6 and {"train/feature_loss", "train/token_loss", "train/acc_0"} <= set(last)
+    assert last["train/sim_tau"] == pytest.approx(1 + last["train/acc_0"])  # no TTT: one round
+    weights = load_file(str(train_dir / "final" / "model.safetensors"))
+    assert not {"embed_tokens.weight", "lm_head.weight"} & set(weights)  # frozen target copies
+    head = ckpt.load_head(train_dir, load_target(tiny_target(tiny_model_dir)))
+    assert torch.equal(head.layers[0].mlp.up_proj.weight, weights["layers.0.mlp.up_proj.weight"])
+
+    before = (train_dir / "metrics.jsonl").read_text()
+    main(as_config(d))  # resumes at the final checkpoint: nothing left to train
+    assert (train_dir / "metrics.jsonl").read_text() == before
+    assert [p.name for p in ckpt.checkpoint_dirs(train_dir)] == ["step-3", "step-6"]

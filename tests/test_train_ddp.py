@@ -1,0 +1,48 @@
+"""Data parallelism: 2 processes (torchrun, DDP over gloo, 1 thread each) with grad_accum=1 train on the same
+global batch as 1 process with grad_accum=2 (same micro-batches per step, data.StepSchedule), so the per-step
+losses agree. Bitwise equality is not guaranteed: 1 vs 2 threads may split matmul reductions differently, and
+the all-reduce sums the ranks' gradients in its own order (the /2 of both schemes is exact in binary floating
+point). Those are float32 reassociations, ~1e-7 relative per step; 1e-5 leaves room for them to compound over
+the run, while a real divergence (another micro-batch, a missing gradient sync, a rank-dependent noise seed)
+moves the losses by 1e-3 or more from the second step on. (On the 2-core CI machine they come out equal.)"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
+
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.run import main
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+@pytest.fixture(scope="module")
+def dump_root(tmp_path_factory, tiny_model_dir, shared_data):
+    return build_tiny_dump(tmp_path_factory.mktemp("ddp"), tiny_model_dir, shared_data)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_two_processes_reproduce_one_process_with_the_same_global_batch(dump_root, tiny_model_dir, kind):
+    # 7 micro-batches per epoch -> 3 steps of 2 per epoch; 8 steps cross two epoch boundaries and a resume point.
+    common = dict(max_steps=8, epochs=3, save_every=4, eval_every=4, tau_prompts=1)
+    one = overrides(dump_root, tiny_model_dir, kind, f"one-{kind}", grad_accum=2, **common)
+    main(as_config(one))
+    two = overrides(dump_root, tiny_model_dir, kind, f"two-{kind}", grad_accum=1, **common)
+    out = run_cli(two, env={"OMP_NUM_THREADS": "1"}, launcher=TORCHRUN, timeout=180)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+
+    ref = train_losses(dump_root / EXPERIMENT / "train" / f"one-{kind}")
+    got = train_losses(dump_root / EXPERIMENT / "train" / f"two-{kind}")
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    assert len({round(v, 3) for v in ref.values()}) > 4  # the losses do move: the comparison has teeth
+
+    two_dir = dump_root / EXPERIMENT / "train" / f"two-{kind}"
+    last = ckpt.latest_checkpoint(two_dir)
+    assert {p.name for p in last.glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
+    assert (two_dir / "manifest.json").is_file() and (two_dir / "final" / "model.safetensors").is_file()
+    assert os.path.getsize(two_dir / "metrics.jsonl") > 0

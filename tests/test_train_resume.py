@@ -1,0 +1,79 @@
+"""Interruptions of stage train: kill -9 (after a step, and inside a checkpoint write) then rerun resumes from
+the last complete checkpoint and repeats the uninterrupted run's per-step losses (1e-6: same code, same
+threads, same order of operations, so CPU results are in fact bitwise equal); SIGTERM checkpoints and exits
+with REQUEUE_EXIT_CODE.
+
+The interrupted runs are real `python -m pipeline.run` processes; EAGLET_TRAIN_FAULT makes them SIGKILL or
+SIGTERM themselves at a chosen step so the interruption point is deterministic."""
+from __future__ import annotations
+
+import pytest
+from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
+
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.loop import FAULT_ENV
+from pipeline.train.metrics import read_metrics
+from pipeline.train.run import main
+
+# 2 epochs of 7 steps, checkpoints every 4: resume points fall mid-epoch (step 4) and across the epoch edge.
+STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def dump_root(tmp_path_factory, tiny_model_dir, shared_data):
+    return build_tiny_dump(tmp_path_factory.mktemp("resume"), tiny_model_dir, shared_data)
+
+
+@pytest.fixture(scope="module")
+def reference(dump_root, tiny_model_dir):
+    """Per-step losses of the uninterrupted run, per head kind."""
+    out = {}
+    for kind in ("eagle3", "eagle1"):
+        main(as_config(overrides(dump_root, tiny_model_dir, kind, f"ref-{kind}", tau_prompts=0)))
+        out[kind] = train_losses(dump_root / EXPERIMENT / "train" / f"ref-{kind}")
+        assert sorted(out[kind]) == list(range(1, STEPS + 1))
+    return out
+
+
+@pytest.mark.parametrize("kind, fault, resumed_from", [
+    ("eagle3", "kill:10", 8),  # SIGKILL after step 10 (in epoch 1): steps 9-10 are redone
+    ("eagle1", "kill_in_save:8", 4),  # SIGKILL inside step 8's checkpoint write: the half-written one is ignored
+])
+def test_kill9_then_rerun_reproduces_the_uninterrupted_losses(dump_root, tiny_model_dir, reference, kind, fault,
+                                                              resumed_from):
+    d = overrides(dump_root, tiny_model_dir, kind, f"killed-{kind}", tau_prompts=0)
+    train_dir = dump_root / EXPERIMENT / "train" / f"killed-{kind}"
+    out = run_cli(d, env={FAULT_ENV: fault})
+    assert out.returncode == -9, out.stderr[-2000:]
+    killed_at = int(fault.split(":")[1])
+    assert ckpt.latest_checkpoint(train_dir).name == f"step-{resumed_from}"
+    assert max(train_losses(train_dir)) == killed_at  # the log ran ahead of the last checkpoint
+    if fault.startswith("kill_in_save"):
+        assert (train_dir / "checkpoints" / f".step-{killed_at}.tmp").is_dir()
+
+    main(as_config(d))  # the rerun
+
+    losses = train_losses(train_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))  # log cut back to the checkpoint, then continued
+    for step, loss in reference[kind].items():
+        assert losses[step] == pytest.approx(loss, abs=1e-6, rel=0), step
+    assert ckpt.latest_checkpoint(train_dir).name == f"step-{STEPS}"
+    assert not list((train_dir / "checkpoints").glob(".*"))  # the torn write was replaced, not left behind
+
+
+def test_sigterm_checkpoints_and_exits_with_the_requeue_code(dump_root, tiny_model_dir, reference):
+    d = overrides(dump_root, tiny_model_dir, "eagle3", "term", tau_prompts=0)
+    train_dir = dump_root / EXPERIMENT / "train" / "term"
+    out = run_cli(d, env={FAULT_ENV: "term:5"})
+    assert out.returncode == ckpt.REQUEUE_EXIT_CODE == 75, out.stderr[-2000:]
+    assert "exiting with 75" in out.stdout + out.stderr
+    assert ckpt.latest_checkpoint(train_dir).name == "step-5"  # saved at the step boundary, off the schedule
+    assert max(train_losses(train_dir)) == 5
+    assert not (train_dir / "manifest.json").exists()  # not complete
+
+    main(as_config(d))  # the requeued run
+    losses = train_losses(train_dir)
+    assert [losses[s] for s in sorted(losses)] == pytest.approx([reference["eagle3"][s] for s in sorted(losses)],
+                                                                abs=1e-6, rel=0)
+    assert (train_dir / "manifest.json").exists()
+    assert all(r["step"] <= STEPS for r in read_metrics(train_dir / "metrics.jsonl"))
