@@ -1,0 +1,104 @@
+"""Capturing the target's hidden states in one forward pass.
+
+Convention (docs/design.md): layer id `i` is the residual stream *entering* decoder layer `i` (HF
+`hidden_states[i]`, with `hidden_states[0]` the embedding output). Those are read with forward pre-hooks on
+the chosen decoder layers, so only the requested layers are kept alive, not all L+1 states that
+`output_hidden_states=True` would return. The final feature is the decoder body's `last_hidden_state`: the
+output of the final norm, i.e. exactly what lm_head reads. Only the body runs (`get_decoder()`): the
+lm_head over the whole vocabulary is not needed, since training recomputes logits from the final state.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+CONVENTION = "input-to-layer"
+FINAL_FEATURE = "final-norm-output"
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low / mid / high features."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_layer_ids(layer_ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
+    ids = default_layer_ids(num_layers) if layer_ids is None else [int(i) for i in layer_ids]
+    if not ids:
+        raise ValueError("dump.layer_ids is empty")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"dump.layer_ids {bad} out of range: input-to-layer ids of a {num_layers}-layer "
+                         f"target are 0..{num_layers - 1} (the final state is captured separately)")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"dump.layer_ids {ids} has duplicates")
+    return ids
+
+
+def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (embeddings, layers, final norm) of a causal LM, without its lm_head."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if not hasattr(body, "layers"):
+        raise TypeError(f"{type(model).__name__}: cannot find the decoder layers (expected `.layers` on "
+                        f"{type(body).__name__})")
+    return body
+
+
+class HiddenStateCapture:
+    """Forward pre-hooks that keep the inputs of the chosen decoder layers during one forward.
+
+        with HiddenStateCapture(model, [2, 15, 27]) as cap:
+            aux, final = cap.forward(input_ids, attention_mask)   # [B, T, 3H], [B, T, H]
+    """
+
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]):
+        self.body = decoder_body(model)
+        self.layer_ids = resolve_layer_ids(layer_ids, len(self.body.layers))
+        self._states: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "HiddenStateCapture":
+        for i in self.layer_ids:
+            self._handles.append(self.body.layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._states.clear()
+
+    def _hook(self, layer_id: int):
+        def hook(module, args, kwargs):
+            # Layers are called with the residual stream first (positionally in HF Llama-likes).
+            self._states[layer_id] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (aux [B, T, n_layers*H] in layer-id order, final [B, T, H]) in the target's dtype."""
+        if not self._handles:
+            raise RuntimeError("HiddenStateCapture.forward outside its `with` block")
+        self._states.clear()
+        out = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        try:
+            aux = torch.cat([self._states[i] for i in self.layer_ids], dim=-1)
+        except KeyError as e:
+            raise RuntimeError(f"decoder layer {e} was not called: the target skipped it") from None
+        finally:
+            self._states.clear()
+        return aux, out.last_hidden_state
+
+
+def pad_batch(rows: Sequence[Sequence[int]], device: torch.device, pad_id: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pads token rows into (input_ids [B, T], attention_mask [B, T]). Under a causal mask, right
+    padding leaves every real position's states unchanged (pads come after it), and positions stay 0..n-1."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        mask[b, : len(r)] = 1
+    return ids.to(device), mask.to(device)

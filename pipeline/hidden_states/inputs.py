@@ -1,0 +1,65 @@
+"""Dump input: conversations from the regen stage (`dump.input=regen`) or straight from the data sources
+(`dump.input=data`), tokenized with the target's chat template and assistant loss mask."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.chat import tokenize_conversation
+from pipeline.data.readers import read_source, read_sources
+from pipeline.hidden_states.plan import TokenizedSample
+from pipeline.manifest import MANIFEST, check_target, load_manifest
+from pipeline.regen.shards import regen_sources
+
+log = logging.getLogger(__name__)
+
+INPUTS = ("regen", "data")
+
+
+def read_conversations(cfg, fingerprint: dict, report: BadRecordReport) -> tuple[Iterator[dict], list[Path]]:
+    """(conversations, input stage dirs whose manifests were consumed). `cfg` is the root EagletConfig."""
+    if cfg.dump.input == "data":
+        return read_sources(cfg.data, report), []
+    if cfg.dump.input != "regen":
+        raise ValueError(f"dump.input={cfg.dump.input!r}: expected one of {', '.join(INPUTS)}")
+    regen_dir = cfg.stage_dir("regen")
+    manifest = load_manifest(regen_dir, expect_stage="regen")
+    check_target(fingerprint, manifest, regen_dir / MANIFEST, what="regen target")
+    sources = regen_sources(regen_dir)  # the ShareGPT shards its manifest lists, in order
+
+    def conversations() -> Iterator[dict]:
+        seen: set = set()
+        for src in sources:
+            yield from read_source(src, report, cfg.data.on_bad_record, seen_ids=seen)
+    return conversations(), [regen_dir]
+
+
+def tokenize_all(conversations: Iterable[dict], tokenizer, data_cfg, limit=None) -> tuple[list[TokenizedSample], Counter]:
+    """Every conversation tokenized, in input order. Conversations without a single assistant token teach
+    the draft nothing and are skipped (counted), like overlength ones under `overlength=drop`."""
+    samples, counts = [], Counter()
+    for conv in conversations:
+        if limit is not None and counts["conversations"] >= limit:
+            break
+        counts["conversations"] += 1
+        tok = tokenize_conversation(tokenizer, conv["messages"], data_cfg.max_length, data_cfg.overlength,
+                                    data_cfg.system_prompt)
+        if tok is None:
+            counts["dropped_overlength"] += 1
+            continue
+        if tok.truncated:
+            counts["truncated"] += 1
+        if tok.n_assistant_tokens == 0:
+            counts["skipped_no_assistant_tokens"] += 1
+            continue
+        samples.append(TokenizedSample(conv["id"], tok.input_ids, tok.loss_mask))
+        counts["assistant_tokens"] += tok.n_assistant_tokens
+    counts["samples"] = len(samples)
+    if counts["skipped_no_assistant_tokens"]:
+        log.warning("dump: %d conversations have no assistant turn (prompt only) and were skipped%s",
+                    counts["skipped_no_assistant_tokens"],
+                    "; dump.input=data on prompt-only data needs regen first" if not samples else "")
+    return samples, counts

@@ -1,0 +1,194 @@
+"""On-disk format of a dump: Arrow IPC *file* shards, one record batch per forward batch.
+
+Columns per row (one row = one sample, pads already stripped):
+    id            string
+    input_ids     list<int32>                     [T]
+    loss_mask     list<uint8>                     [T] 0/1
+    aux_hidden    large_binary  raw [T, n_layers*H] in the dump dtype (layer-id order, concatenated)
+    final_hidden  large_binary  raw [T, H]        in the dump dtype
+
+Hidden states are stored as raw bytes because Arrow has no bfloat16: bf16 is kept bit-exact, and readers
+view the bytes as torch tensors without copying. The schema metadata repeats the layout and the plan key,
+and holds nothing time- or host-dependent, so the same plan always produces byte-identical files.
+Writes are atomic: a shard is written under a temporary name, fsynced, then renamed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.target import file_sha256
+
+FORMAT_NAME = "eaglet-hidden-states"
+FORMAT_VERSION = 1
+META_KEY = b"eaglet"
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"hidden states cannot be stored as {dtype}: use one of {', '.join(DTYPES)}")
+
+
+def resolve_dump_dtype(name: str, target_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return DTYPES[dtype_name(target_dtype)]
+    name = _ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dump.dtype={name!r}: expected auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    hidden_size: int
+    layer_ids: tuple
+    dtype: torch.dtype
+
+    @property
+    def aux_width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def state_bytes_per_token(self) -> int:
+        return (self.aux_width + self.hidden_size) * self.itemsize
+
+    @property
+    def raw_bytes_per_token(self) -> int:
+        """States + int32 id + uint8 mask: the floor any format must pay."""
+        return self.state_bytes_per_token + 4 + 1
+
+    def row_bytes(self, n_tokens: int) -> int:
+        return n_tokens * self.raw_bytes_per_token
+
+    def metadata(self, plan_key: str) -> dict:
+        return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "layer_ids": list(self.layer_ids),
+                "hidden_size": self.hidden_size, "dtype": dtype_name(self.dtype), "plan_key": plan_key}
+
+    def schema(self, plan_key: str) -> pa.Schema:
+        meta = json.dumps(self.metadata(plan_key), sort_keys=True).encode()
+        return pa.schema([
+            pa.field("id", pa.string(), nullable=False),
+            pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+            pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+            pa.field("aux_hidden", pa.large_binary(), nullable=False),
+            pa.field("final_hidden", pa.large_binary(), nullable=False),
+        ], metadata={META_KEY: meta})
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.arrow"
+
+
+def shard_index(name: str) -> int:
+    return int(name.removeprefix("shard-").removesuffix(".arrow"))
+
+
+def tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _list_array(rows: Sequence[Sequence[int]], np_dtype, pa_type) -> pa.Array:
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter((v for r in rows for v in r), dtype=np_dtype, count=int(offsets[-1]))
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa_type))
+
+
+def _binary_rows(packed: torch.Tensor, lengths: np.ndarray) -> pa.Array:
+    """[sum(T), W] tensor of concatenated rows -> one large_binary value per row, zero-copy over `packed`."""
+    packed = packed.contiguous()
+    row_stride = packed.shape[1] * packed.element_size()
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths.astype(np.int64) * row_stride, out=offsets[1:])
+    data = pa.py_buffer(packed.view(torch.uint8).numpy())  # bytes view; numpy has no bfloat16
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(lengths), [None, pa.py_buffer(offsets), data])
+
+
+def record_batch(schema: pa.Schema, samples, aux: torch.Tensor, final: torch.Tensor) -> pa.RecordBatch:
+    """`samples`: TokenizedSample rows; `aux` [sum(T), n_layers*H] and `final` [sum(T), H]: their states,
+    concatenated in row order, already in the dump dtype on CPU."""
+    lengths = np.array([len(s) for s in samples], dtype=np.int64)
+    assert aux.shape[0] == final.shape[0] == lengths.sum(), (aux.shape, final.shape, lengths.sum())
+    return pa.record_batch([
+        pa.array([s.id for s in samples], pa.string()),
+        _list_array([s.input_ids for s in samples], np.int32, pa.int32()),
+        _list_array([s.loss_mask for s in samples], np.uint8, pa.uint8()),
+        _binary_rows(aux, lengths),
+        _binary_rows(final, lengths),
+    ], schema=schema)
+
+
+class ShardWriter:
+    """Streams record batches into `.<name>.tmp`; `close()` fsyncs and renames it to its final name, so a
+    shard file under its final name is always complete. Returns the shard's manifest entry."""
+
+    def __init__(self, path: Path, schema: pa.Schema):
+        self.path = Path(path)
+        self.tmp = tmp_path(self.path)
+        self._sink = pa.OSFile(str(self.tmp), "wb")
+        self._writer = pa.ipc.new_file(self._sink, schema)
+        self.rows = 0
+        self.tokens = 0
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self._writer.write_batch(batch)
+        self.rows += batch.num_rows
+        self.tokens += len(batch.column(1).values)
+
+    def close(self) -> dict:
+        self._writer.close()
+        self._sink.close()
+        fd = os.open(self.tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename must never expose a file whose bytes are not on disk yet
+        finally:
+            os.close(fd)
+        sha = file_sha256(self.tmp)
+        os.replace(self.tmp, self.path)
+        return {"file": self.path.name, "rows": self.rows, "tokens": self.tokens,
+                "bytes": self.path.stat().st_size, "sha256": sha}
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+            self._sink.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+def shard_metadata(path: Path) -> tuple[dict, int]:
+    """(schema metadata, rows) of a complete shard, read from its footer only."""
+    with pa.memory_map(str(path)) as src:
+        reader = pa.ipc.open_file(src)
+        meta = json.loads(reader.schema.metadata[META_KEY])
+        rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+    return meta, rows
+
+
+def shard_entry(path: Path) -> dict:
+    """Manifest entry of an existing complete shard (used when a run was killed between writing the shard
+    and recording it)."""
+    with pa.memory_map(str(path)) as src:
+        reader = pa.ipc.open_file(src)
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        rows = sum(b.num_rows for b in batches)
+        tokens = sum(len(b.column(1).values) for b in batches)
+    return {"file": path.name, "rows": rows, "tokens": tokens, "bytes": path.stat().st_size,
+            "sha256": file_sha256(path)}
