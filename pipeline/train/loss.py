@@ -79,11 +79,13 @@ def target_distribution(
     rows = target_hidden.reshape(b * t, h)
     probs = torch.empty(b * t, int(t2d.sum()), dtype=torch.float32, device=rows.device)
     top1 = torch.empty(b * t, dtype=torch.long, device=rows.device)
-    w = lm_head_weight.to(rows.dtype)
-    for s in range(0, b * t, chunk_rows):
-        logits = (rows[s : s + chunk_rows] @ w.T).float()  # [n,V]
-        top1[s : s + chunk_rows] = logits.argmax(-1)
-        probs[s : s + chunk_rows] = logits[:, t2d].softmax(-1)
+    # The teacher in fp32 even under bf16 autocast: its argmax decides which positions count.
+    with torch.autocast(rows.device.type, enabled=False):
+        w = lm_head_weight.float()
+        for s in range(0, b * t, chunk_rows):
+            logits = rows[s : s + chunk_rows].float() @ w.T  # [n,V]
+            top1[s : s + chunk_rows] = logits.argmax(-1)
+            probs[s : s + chunk_rows] = logits[:, t2d].softmax(-1)
     return probs.view(b, t, -1), top1.view(b, t)
 
 
