@@ -1,0 +1,245 @@
+"""Write a trained head in a serving format, check a written export tensor by tensor, and load any export back
+into an eaglet head (so eaglet's own decoder can verify what SGLang/vLLM will load)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipeline.target import Target
+from pipeline.train.heads.common import build_draft_head
+
+from . import formats as F
+from .formats import EAGLE1, SGLANG, VLLM, ExportError
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+
+# Head tensors each format leaves out because the serving framework takes them from the target.
+FROM_TARGET = {SGLANG: {"embed_tokens.weight"}, VLLM: set(), EAGLE1: {"lm_head.weight", "d2t", "t2d"}}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors spelling: BF16, F32, I64, BOOL
+
+
+# ---------------------------------------------------------------------------------------------------------
+# export
+
+
+def export_head(
+    head: nn.Module,
+    out_dir: Path,
+    fmt: str,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    num_target_layers: int,
+    verifier: Optional[str] = None,
+    verifier_architectures: Sequence[str] = (),
+    speculative_tokens: int = 3,
+    sglang_aux_convention: str = "output",
+) -> Path:
+    """Writes `out_dir/{config.json, model.safetensors}` for `fmt` (replacing a previous export there) and checks
+    the result with `check_export` before it becomes visible. `verifier` (vllm format) is the target's hub id
+    or path as the serving machine will see it."""
+    config = head.config
+    fmt = F.resolve_format(fmt, config.kind)
+    if dtype not in F.DTYPE_NAMES:
+        raise ExportError(f"dtype {dtype}: export bfloat16 or float32")
+    F.check_convention(sglang_aux_convention)
+    state = export_state(head, fmt, dtype)
+    if config.kind == "eagle3":
+        F.check_aux_layers(config.aux_layer_ids, num_target_layers)
+        config = dataclasses.replace(config, aux_layer_ids=sorted(config.aux_layer_ids))
+    if fmt == SGLANG:
+        doc = F.sglang_config(config, dtype, num_target_layers, sglang_aux_convention)
+    elif fmt == VLLM:
+        if not verifier:
+            raise ExportError("the vllm format names its verifier: set export.verifier or target.hub_id")
+        doc = F.vllm_config(config, dtype, verifier, verifier_architectures, speculative_tokens)
+    else:
+        doc = F.eagle1_config(config, dtype)
+    return _write_atomically(Path(out_dir), doc, state)
+
+
+def export_state(head: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The head's tensors under the format's names; floating tensors in `dtype`, the vocabulary maps as they
+    are (int64 d2t, bool t2d). EAGLE-3 fc column blocks are put in ascending aux-layer order."""
+    state = {}
+    for name, tensor in head.state_dict().items():
+        out_name = F.export_name(fmt, name)
+        if out_name is None:
+            continue
+        tensor = tensor.detach().to("cpu")
+        if name == "fc.weight" and head.config.kind == "eagle3":
+            tensor = _fc_in_layer_order(tensor, head.config.aux_layer_ids)
+        state[out_name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+    return state
+
+
+def _fc_in_layer_order(weight: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+    order = F.aux_order(layer_ids)
+    if order == list(range(len(layer_ids))):
+        return weight
+    h, n = weight.shape[0], len(layer_ids)
+    return weight.view(h, n, -1)[:, order].reshape(h, -1)  # [H, n, Ht] -> blocks reordered -> [H, n*Ht]
+
+
+def _write_atomically(out_dir: Path, doc: dict, state: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+    check_export(tmp)  # a wrong export never replaces a good one
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------
+# check
+
+
+def read_config(export_dir: Path) -> dict:
+    path = Path(export_dir) / CONFIG
+    if not path.is_file():
+        raise ExportError(f"{path}: missing")
+    return json.loads(path.read_text())
+
+
+def tensor_infos(export_dir: Path) -> list[TensorInfo]:
+    """Names, shapes and dtypes from the safetensors header (no tensor data read)."""
+    from safetensors import safe_open
+
+    path = Path(export_dir) / WEIGHTS
+    if not path.is_file():
+        raise ExportError(f"{path}: missing")
+    with safe_open(str(path), framework="pt") as f:
+        slices = {name: f.get_slice(name) for name in f.keys()}
+        return [TensorInfo(name, tuple(s.get_shape()), s.get_dtype()) for name, s in sorted(slices.items())]
+
+
+def check_export(export_dir: Path) -> list[TensorInfo]:
+    """Checks an export against its format: config fields the loaders read; exactly the format's tensor names
+    (any extra or missing tensor fails), their shapes from the config, one floating dtype matching
+    `torch_dtype`, and a consistent draft vocabulary. Returns the tensors (sorted by name)."""
+    cfg = read_config(export_dir)
+    fmt = F.detect_format(cfg)
+    infos = tensor_infos(export_dir)
+    found = {t.name: t for t in infos}
+    problems = F.config_problems(cfg, fmt)
+    if not problems:
+        expected = F.expected_tensors(fmt, _shape_config(cfg, fmt, fc_bias="fc.bias" in found))
+        problems += [f"missing tensor {n} {list(s)}" for n, s in expected.items() if n not in found]
+        problems += [f"unexpected tensor {n} {list(found[n].shape)}" for n in found if n not in expected]
+        problems += [f"{n}: shape {list(found[n].shape)}, expected {list(s)}"
+                     for n, s in expected.items() if n in found and found[n].shape != s]
+        problems += _dtype_problems(infos, F.layer_fields(cfg, fmt).get("torch_dtype") or cfg.get("torch_dtype"))
+        if not problems and "d2t" in found:
+            problems += _vocab_problems(export_dir, cfg["draft_vocab_size"])
+    if problems:
+        raise ExportError(f"{export_dir} ({fmt} format):\n  " + "\n  ".join(problems))
+    return infos
+
+
+def _shape_config(cfg: dict, fmt: str, fc_bias: bool):
+    # Tensor shapes do not depend on which target layers are fused, so any valid layer count will do here.
+    return F.head_config(cfg, fmt, num_target_layers=64, fc_bias=fc_bias)
+
+
+def _dtype_problems(infos: list[TensorInfo], torch_dtype: Optional[str]) -> list[str]:
+    want = F.SAFETENSORS_DTYPES.get(torch_dtype or "")
+    if want is None:
+        return [f"torch_dtype {torch_dtype!r}: expected bfloat16 or float32"]
+    return [f"{t.name}: dtype {t.dtype}, expected {F.INDEX_DTYPES.get(t.name, want)}"
+            for t in infos if t.dtype != F.INDEX_DTYPES.get(t.name, want)]
+
+
+def _vocab_problems(export_dir: Path, draft_vocab_size: int) -> list[str]:
+    """d2t must send the draft ids to distinct target ids, exactly the ones t2d marks."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(export_dir) / WEIGHTS), framework="pt") as f:
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    target_ids = torch.arange(draft_vocab_size) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= t2d.numel():
+        return ["d2t maps draft ids outside the target vocabulary"]
+    if target_ids.unique().numel() != draft_vocab_size or not bool(t2d[target_ids].all()) \
+            or int(t2d.sum()) != draft_vocab_size:
+        return ["d2t and t2d disagree (t2d must mark exactly the draft vocabulary's target ids)"]
+    return []
+
+
+def tensor_table(infos: Sequence[TensorInfo]) -> str:
+    rows = [("tensor", "shape", "dtype")] + [(t.name, "x".join(map(str, t.shape)), t.dtype) for t in infos]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# load back
+
+
+def load_export(export_dir: Path, target, device: Optional[torch.device] = None,
+                dtype: Optional[torch.dtype] = None, sglang_aux_convention: str = "output") -> nn.Module:
+    """An eaglet head from an export of any format, in eval mode. `target` (a pipeline.target.Target or an HF
+    causal LM) provides what the format leaves to the serving framework: the embedding for sglang, the lm_head
+    for eagle1. Device/dtype default to the target's, so bf16 weights load into an fp32 head exactly rounded."""
+    from safetensors.torch import load_file
+
+    export_dir = Path(export_dir)
+    check_export(export_dir)
+    cfg = read_config(export_dir)
+    fmt = F.detect_format(cfg)
+    state = {F.head_name(fmt, k): v for k, v in load_file(str(export_dir / WEIGHTS)).items()}
+    model = target.model if isinstance(target, Target) else target
+    config = F.head_config(cfg, fmt, model.config.num_hidden_layers, fc_bias="fc.bias" in state,
+                           sglang_convention=sglang_aux_convention)
+    head = build_draft_head(config)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if set(missing) != FROM_TARGET[fmt] or unexpected:
+        raise ExportError(f"{export_dir}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    with torch.no_grad():
+        if fmt == SGLANG:
+            head.copy_target_embeddings(model.get_input_embeddings().weight)
+        if fmt == EAGLE1:
+            head.lm_head.weight.copy_(model.get_output_embeddings().weight)
+    param = next(model.parameters())
+    return head.to(device=device or param.device, dtype=dtype or param.dtype).eval()
+
+
+@torch.no_grad()
+def max_logit_diff(head_a: nn.Module, head_b: nn.Module, tokens: int = 16, seed: int = 0) -> float:
+    """max |logits_a - logits_b| over one random sequence, each head fed the same target states in its own
+    aux-layer order (an export may reorder them)."""
+    gen = torch.Generator().manual_seed(seed)
+    c = head_a.config
+    layers = list(c.aux_layer_ids) or [-1]
+    states = {i: torch.randn(1, tokens, c.target_hidden_size, generator=gen) for i in layers}
+    ids = torch.randint(0, c.vocab_size, (1, tokens), generator=gen)
+    positions = torch.arange(tokens)[None]
+
+    def run(head: nn.Module) -> torch.Tensor:
+        param = next(head.parameters())
+        fused = torch.cat([states[i] for i in list(head.config.aux_layer_ids) or [-1]], dim=-1)
+        hidden = head.fuse(fused.to(param.device))
+        _, logits = head(hidden, ids.to(param.device), positions.to(param.device))
+        return logits.float().cpu()
+
+    return float((run(head_a) - run(head_b)).abs().max())

@@ -1,0 +1,402 @@
+"""Stage export: the exact tensor list and config of each format (sglang, vllm, eagle1), each framework's
+auxiliary-layer numbering, the tensor checker, and loading exports back into eaglet's tree decoder: an fp32
+export gives exactly the checkpoint's logits, a bf16 export the same greedy tau."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, DynamicCache, LlamaConfig
+
+from pipeline.config import EagletConfig, TargetConfig
+from pipeline.eval.decoder import generate, target_forward, vanilla_generate
+from pipeline.eval.drafter import EagleDrafter
+from pipeline.export import formats as fmts
+from pipeline.export.config import ExportConfig
+from pipeline.export.exporter import (CONFIG, WEIGHTS, ExportError, check_export, export_head, load_export,
+                                      max_logit_diff, tensor_infos)
+from pipeline.manifest import digest_file, load_manifest, write_manifest
+from pipeline.train.checkpoint import save_head
+from pipeline.train.config import HeadConfig
+from pipeline.train.heads.common import build_draft_head
+from pipeline.train.heads.config import DraftHeadConfig
+from pipeline.train.vocab import vocab_from_ids
+
+REPO = Path(__file__).resolve().parents[1]
+ROPE_THETA = 500000.0  # not the 10000 default: the config must carry the value the head was trained with
+DRAFT_VOCAB = 100
+VERIFIER = "org/tiny-llama"
+NUM_LAYERS = 8  # the tiny target's; default aux layers [2, 4, 5]
+
+# The issue's tensor lists, written out independently of pipeline/export/formats.py.
+ATTN = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+MLP = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+EAGLE3_LAYER = ATTN + MLP + [f"{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
+SGLANG_TENSORS = {f"midlayer.{n}" for n in EAGLE3_LAYER} | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+VLLM_TENSORS = {f"layers.0.{n}" for n in EAGLE3_LAYER} | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+                                                           "embed_tokens.weight"}
+EAGLE1_TENSORS = {f"layers.0.{n}" for n in ATTN + MLP + ["post_attention_layernorm.weight"]} | {
+    "fc.weight", "embed_tokens.weight"}
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Batch-1 decoding of tiny models is overhead-bound; a second thread only adds synchronization."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_head(target, kind: str = "eagle3", aux_layer_ids=None, fc_bias: bool = False, seed: int = 0):
+    """A random head for `target` with non-trivial norms, biases and draft vocabulary, so that any swapped,
+    missing or re-initialized tensor changes the logits."""
+    cfg = DraftHeadConfig.from_target(target.config, kind, draft_vocab_size=None if kind == "eagle1" else DRAFT_VOCAB,
+                                      aux_layer_ids=aux_layer_ids, rope_theta=ROPE_THETA, fc_bias=fc_bias)
+    torch.manual_seed(seed)
+    head = build_draft_head(cfg)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    head.copy_from_target(target)
+    if kind == "eagle3":
+        kept = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB]
+        head.set_draft_vocab(*vocab_from_ids(kept, cfg.vocab_size))
+    return head.eval()
+
+
+def export(head, path: Path, fmt: str, dtype=torch.float32, **kw) -> Path:
+    return export_head(head, path, fmt, dtype, num_target_layers=NUM_LAYERS, verifier=VERIFIER,
+                       verifier_architectures=["LlamaForCausalLM"], **kw)
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / CONFIG).read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tensors
+
+
+@pytest.mark.parametrize("fmt,kind,fc_bias,expected", [
+    ("sglang", "eagle3", False, SGLANG_TENSORS),
+    ("vllm", "eagle3", False, VLLM_TENSORS),
+    ("eagle1", "eagle1", False, EAGLE1_TENSORS),
+    ("eagle1", "eagle1", True, EAGLE1_TENSORS | {"fc.bias"}),
+])
+def test_each_format_holds_exactly_the_issue_tensors(tiny_model, tmp_path, fmt, kind, fc_bias, expected):
+    out = export(make_head(tiny_model, kind, fc_bias=fc_bias), tmp_path / fmt, fmt, torch.bfloat16)
+    infos = {t.name: t for t in check_export(out)}
+    assert set(infos) == expected
+    h, v = tiny_model.config.hidden_size, tiny_model.config.vocab_size
+    shapes = {n: t.shape for n, t in infos.items()}
+    if kind == "eagle3":
+        assert shapes["fc.weight"] == (h, 3 * h) and shapes["lm_head.weight"] == (DRAFT_VOCAB, h)
+        assert shapes["d2t"] == (DRAFT_VOCAB,) and shapes["t2d"] == (v,)
+        assert infos["d2t"].dtype == "I64" and infos["t2d"].dtype == "BOOL"
+        layer = "midlayer." if fmt == "sglang" else "layers.0."
+        assert shapes[f"{layer}self_attn.q_proj.weight"] == (h, 2 * h)  # attention reads cat(emb, hidden)
+    else:
+        assert shapes["fc.weight"] == (h, 2 * h)
+    if "embed_tokens.weight" in shapes:
+        assert shapes["embed_tokens.weight"] == (v, h)
+    assert {t.dtype for n, t in infos.items() if n not in ("d2t", "t2d")} == {"BF16"}
+
+
+def rewrite(out: Path, edit) -> None:
+    state = load_file(str(out / WEIGHTS))
+    edit(state)
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit,message", [
+    pytest.param(lambda s: s.update({"embed_tokens.weight": torch.zeros(384, 64)}),
+                 "unexpected tensor embed_tokens.weight", id="extra-embedding"),
+    pytest.param(lambda s: s.update({"midlayer.self_attn.rotary_emb.inv_freq": torch.zeros(8)}),
+                 "unexpected tensor midlayer.self_attn.rotary_emb.inv_freq", id="extra-buffer"),
+    pytest.param(lambda s: s.pop("t2d"), "missing tensor t2d", id="missing-t2d"),
+    pytest.param(lambda s: s.pop("midlayer.hidden_norm.weight"), "missing tensor midlayer.hidden_norm.weight",
+                 id="missing-norm"),
+    pytest.param(lambda s: s.update({"fc.weight": s["fc.weight"][:, :128].contiguous()}),
+                 "fc.weight: shape [64, 128], expected [64, 192]", id="shape"),
+    pytest.param(lambda s: s.update({"norm.weight": s["norm.weight"].bfloat16()}),
+                 "norm.weight: dtype BF16, expected F32", id="dtype"),
+    pytest.param(lambda s: s.update({"d2t": s["d2t"] + 1}), "d2t and t2d disagree", id="vocab-maps"),
+])
+def test_checker_fails_on_any_extra_missing_misshapen_or_mistyped_tensor(tiny_model, tmp_path, edit, message):
+    out = export(make_head(tiny_model), tmp_path / "sglang", "sglang")
+    rewrite(out, edit)
+    with pytest.raises(ExportError, match=message.replace("[", r"\[")):
+        check_export(out)
+
+
+def test_checker_fails_on_config_fields_the_loaders_misread(tiny_model, tmp_path):
+    out = export(make_head(tiny_model), tmp_path / "vllm", "vllm")
+    cfg = read_config(out)
+    cfg["norm_before_residual"] = True  # vLLM would normalize the residual: a different network
+    (out / CONFIG).write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="norm_before_residual must be false"):
+        check_export(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configs
+
+
+def test_sglang_config_declares_the_eagle3_architecture_with_trained_dimensions(tiny_model, tmp_path):
+    head = make_head(tiny_model)
+    out = export(head, tmp_path / "sglang", "sglang", torch.bfloat16)
+    cfg, t = read_config(out), tiny_model.config
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                                "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size",
+                                "target_hidden_size", "rms_norm_eps", "rope_theta", "torch_dtype")} == {
+        "num_hidden_layers": 1, "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": t.hidden_size // t.num_attention_heads, "vocab_size": t.vocab_size,
+        "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": t.hidden_size, "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": ROPE_THETA, "torch_dtype": "bfloat16"}
+    assert "eagle_config" not in cfg  # default layers: both frameworks use their (identical) default
+    # SGLang builds its config with transformers' AutoConfig: the fields it reads must survive that.
+    hf = AutoConfig.from_pretrained(out)
+    assert type(hf) is LlamaConfig and hf.architectures == ["LlamaForCausalLMEagle3"]
+    assert hf.draft_vocab_size == DRAFT_VOCAB and hf.target_hidden_size == t.hidden_size
+    assert hf.rope_parameters["rope_theta"] == ROPE_THETA and hf.tie_word_embeddings is False
+    assert not getattr(hf, "bias", False)  # SGLang's fc reads `bias`, vLLM's attention too
+
+
+def test_vllm_config_is_a_speculators_eagle3_config_naming_the_verifier(tiny_model, tmp_path):
+    head = make_head(tiny_model)
+    out = export(head, tmp_path / "vllm", "vllm", speculative_tokens=4)
+    cfg = read_config(out)
+    assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
+    assert cfg["norm_before_residual"] is False  # vLLM's speculators adapter defaults it to True
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["target_hidden_size"] == tiny_model.config.hidden_size
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1,
+                                         "accept_tolerance": 0.0}]
+    assert spec["verifier"] == {"name_or_path": VERIFIER, "architectures": ["LlamaForCausalLM"]}
+    layer = LlamaConfig(**cfg["transformer_layer_config"])  # what speculators/vLLM build the layer from
+    assert (layer.num_hidden_layers, layer.vocab_size, layer.hidden_size) == (1, 384, 64)
+    assert layer.rope_parameters["rope_theta"] == ROPE_THETA
+    # The embedding travels in the file: the target's own, bit for bit.
+    assert torch.equal(load_file(str(out / WEIGHTS))["embed_tokens.weight"], tiny_model.get_input_embeddings().weight)
+
+
+def test_vllm_export_needs_a_verifier_and_formats_match_head_kinds(tiny_model, tmp_path):
+    with pytest.raises(ExportError, match="names its verifier"):
+        export_head(make_head(tiny_model), tmp_path / "v", "vllm", num_target_layers=NUM_LAYERS)
+    with pytest.raises(ExportError, match="use eagle1"):
+        export(make_head(tiny_model, "eagle1"), tmp_path / "s", "sglang")
+    with pytest.raises(ExportError, match="use sglang or vllm"):
+        export(make_head(tiny_model), tmp_path / "e", "eagle1")
+    assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# auxiliary layers
+
+
+def test_default_layers_are_omitted_for_sglang_and_spelled_out_for_vllm():
+    assert fmts.default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M
+    cfg = DraftHeadConfig(aux_layer_ids=[2, 15, 27])
+    assert "eagle_config" not in fmts.sglang_config(cfg, torch.bfloat16, num_target_layers=30)
+    assert fmts.vllm_config(cfg, torch.bfloat16, VERIFIER, [], 3)["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+
+
+@pytest.mark.parametrize("layers,convention,sglang_ids,agree", [
+    ([2, 5, 6], "output", [1, 4, 5], True),  # layer 2 present: 1 first, read alike by every SGLang
+    ([3, 5, 6], "output", [2, 4, 5], False),  # historic SGLang (+1 always) reads these right, #25454 does not
+    ([3, 5, 6], "input", [3, 5, 6], False),  # SGLang with #25454 (as-is unless the first id is 1)
+    ([1, 4, 6], "input", [4, 6, 1], False),  # input numbering never starts with 1
+    ([0, 2, 7], "output", [1, -1, 6], True),  # the embedding output is SGLang's -1 (captured before layer 0)
+])
+def test_custom_aux_layers_are_written_in_each_framework_numbering(tiny_model, tmp_path, layers, convention,
+                                                                   sglang_ids, agree):
+    head = make_head(tiny_model, aux_layer_ids=layers)
+    sglang = export(head, tmp_path / "sglang", "sglang", sglang_aux_convention=convention)
+    vllm = export(head, tmp_path / "vllm", "vllm")
+    written = read_config(sglang)["eagle_config"]
+    assert written == {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True}
+    assert "eagle_aux_hidden_state_layer_ids" not in read_config(sglang)  # vLLM reads top-level ids as its own
+    assert read_config(vllm)["eagle_aux_hidden_state_layer_ids"] == layers  # vLLM: input indices
+    # What SGLang captures (its loop records the residual entering layer i for i in layers_to_capture):
+    targeted = fmts.sglang_captured_layers(sglang_ids, after_pr_25454=convention == "input")
+    assert targeted == layers
+    assert fmts.sglang_layers_agree(sglang_ids) is agree
+    for out, kw in ((sglang, {"sglang_aux_convention": convention}), (vllm, {})):
+        assert load_export(out, tiny_model, **kw).config.aux_layer_ids == layers
+
+
+def test_aux_layers_trained_out_of_order_are_exported_in_layer_order(tiny_model, tmp_path):
+    """Frameworks concatenate the captured states in ascending layer order, so fc's column blocks follow."""
+    head = make_head(tiny_model, aux_layer_ids=[6, 3, 5])
+    loaded = load_export(export(head, tmp_path / "sglang", "sglang"), tiny_model)
+    assert loaded.config.aux_layer_ids == [3, 5, 6]
+    h = head.config.hidden_size
+    blocks = head.fc.weight.view(h, 3, h)
+    assert torch.equal(loaded.fc.weight, torch.cat([blocks[:, 1], blocks[:, 2], blocks[:, 0]], dim=1))
+    assert max_logit_diff(head, loaded) < 1e-5  # same function; only the matmul summation order differs
+
+
+@pytest.mark.parametrize("layers,message", [([2, 2, 5], "3 distinct"), ([2, 4, 8], "inputs 0..7")])
+def test_unservable_aux_layers_are_refused(tiny_model, tmp_path, layers, message):
+    with pytest.raises(ExportError, match=message):
+        export(make_head(tiny_model, aux_layer_ids=layers), tmp_path / "sglang", "sglang")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading back into eaglet's decoder
+
+
+def prompts(vocab: int, n: int = 3, length: int = 12) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (length,), generator=gen) for _ in range(n)]
+
+
+@torch.no_grad()
+def head_logits(head, target, prompt: torch.Tensor) -> torch.Tensor:
+    """Logits of the head over a prompt, fed the target's real states (the decoder's prefill)."""
+    layers = tuple(head.config.aux_layer_ids) or (-1,)
+    _, states = target_forward(target, prompt[None], DynamicCache(config=target.config), layers)
+    hidden = head.fuse(states[None])
+    _, logits = head(hidden, prompt[None].roll(-1, dims=1), torch.arange(len(prompt))[None])
+    return logits
+
+
+@pytest.mark.parametrize("fmt,kind,fc_bias", [("sglang", "eagle3", False), ("vllm", "eagle3", False),
+                                              ("eagle1", "eagle1", False), ("eagle1", "eagle1", True)])
+def test_fp32_export_loads_back_with_exactly_the_checkpoint_logits(tiny_model, tmp_path, fmt, kind, fc_bias):
+    head = make_head(tiny_model, kind, fc_bias=fc_bias)
+    loaded = load_export(export(head, tmp_path / fmt, fmt), tiny_model)
+    assert loaded.config == head.config
+    prompt = prompts(tiny_model.config.vocab_size)[0]
+    torch.testing.assert_close(head_logits(loaded, tiny_model, prompt), head_logits(head, tiny_model, prompt),
+                               atol=0, rtol=0)
+    # And through the tree decoder: the same trees, hence the same accepted lengths.
+    a, b = (generate(tiny_model, EagleDrafter(h), prompt, 24, eos_token_ids=()) for h in (head, loaded))
+    assert a.tokens == b.tokens and a.accept_lengths == b.accept_lengths
+
+
+@pytest.fixture(scope="module")
+def distilled_head(tiny_model):
+    """An EAGLE-3 head fitted (one-step teacher forcing) to the target's greedy continuations of the test
+    prompts: greedy tree decoding then accepts several tokens per step, so tau is worth comparing."""
+    seqs = [torch.cat([p, torch.tensor(vanilla_generate(tiny_model, p, 40, eos_token_ids=()).tokens)])
+            for p in prompts(tiny_model.config.vocab_size)]
+    vocab = torch.unique(torch.cat(seqs))
+    cfg = DraftHeadConfig.from_target(tiny_model.config, "eagle3", draft_vocab_size=len(vocab), aux_layer_ids=None,
+                                      rope_theta=ROPE_THETA)
+    torch.manual_seed(0)
+    head = build_draft_head(cfg)
+    head.copy_from_target(tiny_model)
+    d2t, t2d = vocab_from_ids(vocab, cfg.vocab_size)
+    head.set_draft_vocab(d2t, t2d)
+    draft_id = torch.cumsum(t2d.long(), 0) - 1  # target id -> draft id (kept ids in ascending order)
+    with torch.no_grad():
+        states = [target_forward(tiny_model, s[None], DynamicCache(config=tiny_model.config), cfg.aux_layer_ids)[1]
+                  for s in seqs]
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(150):
+        for seq, st in zip(seqs, states):
+            # state of token t and token t+1 -> token t+2
+            _, logits = head(head.fuse(st[None, :-2]), seq[None, 1:-1], torch.arange(len(seq) - 2)[None])
+            loss = F.cross_entropy(logits[0], draft_id[seq[2:]])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return head.eval()
+
+
+def test_bf16_export_gives_the_same_greedy_tau(tiny_model, tmp_path, distilled_head):
+    loaded = load_export(export(distilled_head, tmp_path / "sglang", "sglang", torch.bfloat16), tiny_model)
+    assert loaded.fc.weight.dtype == torch.float32 and max_logit_diff(distilled_head, loaded) > 0  # rounded
+    for prompt in prompts(tiny_model.config.vocab_size):
+        ref, got = (generate(tiny_model, EagleDrafter(h), prompt, 40, eos_token_ids=())
+                    for h in (distilled_head, loaded))
+        assert ref.tau > 1.5  # a head that drafts, or the comparison would be vacuous
+        assert got.tau == ref.tau and got.tokens == ref.tokens
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the stage
+
+
+def stage_config(root: Path, model_dir: Path, kind: str = "eagle3", **export_kw) -> EagletConfig:
+    target = TargetConfig(name="tiny", path=str(model_dir), gguf_package=None, gguf_file=None, hub_id=VERIFIER)
+    return EagletConfig(stage="export", name="t", output_root=str(root), target=target,
+                        head=HeadConfig(kind=kind, name=kind), export=ExportConfig(**export_kw))
+
+
+def fake_train_stage(cfg: EagletConfig, head) -> Path:
+    """A completed train stage: final/ head and a manifest naming this target."""
+    from pipeline.target import load_target
+
+    train_dir = cfg.stage_dir("train")
+    save_head(head, train_dir / "final")
+    write_manifest(train_dir, "train", config={}, counts={}, timings={},
+                   target=load_target(cfg.target).fingerprint)
+    return train_dir
+
+
+def test_stage_exports_verifies_and_prints_the_serve_commands(tiny_model, tiny_model_dir, tmp_path, capsys):
+    from pipeline.export.run import main
+
+    cfg = stage_config(tmp_path, tiny_model_dir, verify=True)
+    train_dir = fake_train_stage(cfg, make_head(tiny_model))
+    out = main(cfg)
+    assert out == cfg.stage_dir("export") / "sglang"
+    printed = capsys.readouterr().out
+    assert "midlayer.hidden_norm.weight" in printed and "BF16" in printed  # the tensor table
+    assert "round trip (bfloat16)" in printed
+    path = str(out.resolve())
+    assert (f"python -m sglang.launch_server --model {VERIFIER} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {path} --speculative-num-steps 6 --speculative-eagle-topk 10 "
+            f"--speculative-num-draft-tokens 60") in printed
+    assert f"""vllm serve {VERIFIER} --speculative-config '{{"model": "{path}", "method": "eagle3", """ \
+           f""""num_speculative_tokens": 3}}'""" in printed
+    manifest = load_manifest(out, expect_stage="export")
+    assert manifest["format"] == "sglang" and manifest["counts"]["tensors"] == len(SGLANG_TENSORS)
+    assert manifest["inputs"] == [{"path": str(train_dir), "manifest_sha256": digest_file(train_dir / "manifest.json")}]
+    assert {t.name for t in tensor_infos(out)} == SGLANG_TENSORS
+
+    cfg.export = ExportConfig(format="vllm", dtype="float32", verify=True)
+    out = main(cfg)
+    printed = capsys.readouterr().out
+    assert out.name == "vllm" and "max |logits(export) - logits(checkpoint)| = 0" in printed
+    assert "vllm serve" in printed and "export.format=sglang" in printed
+
+
+def test_stage_refuses_a_format_of_the_other_head_kind(tiny_model, tiny_model_dir, tmp_path):
+    from pipeline.export.run import main
+
+    cfg = stage_config(tmp_path, tiny_model_dir, kind="eagle1", format="sglang")
+    fake_train_stage(cfg, make_head(tiny_model, "eagle1"))
+    with pytest.raises(ExportError, match="use eagle1"):
+        main(cfg)
+    assert not cfg.stage_dir("export").exists()
+
+
+def test_cli_runs_the_stage(tiny_model, tiny_model_dir, tmp_path):
+    """`python -m pipeline.run stage=export ...` through Hydra, as `make demo` runs it."""
+    fake_train_stage(stage_config(tmp_path, tiny_model_dir), make_head(tiny_model))
+    cmd = [sys.executable, "-m", "pipeline.run", "stage=export", "target=hf", f"target.path={tiny_model_dir}",
+           "target.name=tiny", f"target.hub_id={VERIFIER}", "name=t", f"output_root={tmp_path}",
+           "export.format=vllm", "export.dtype=float32"]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = tmp_path / "t" / "export" / "eagle3" / "vllm"
+    assert f"export (vllm, float32): {out.resolve()}" in run.stdout
+    assert f"vllm serve {VERIFIER} --speculative-config" in run.stdout
+    assert {t.name for t in check_export(out)} == VLLM_TENSORS
