@@ -97,6 +97,6 @@ def test_kill9_then_resume_is_byte_identical(tiny_tokenizer, tiny_model_dir, tmp
 
     assert finish(run_child(script, tiny_model_dir, samples_file, out)) == 0
     assert {p.name: p.read_bytes() for p in sorted(out.glob("shard-*.arrow"))} == reference
-    assert not list(out.glob(".*.tmp"))
+    assert not list(out.rglob(".*.tmp"))
     manifest, ref_manifest = (json.loads((d / "manifest.json").read_text()) for d in (out, ref))
     assert manifest["shards"] == ref_manifest["shards"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import pyarrow as pa
 import torch
 
 from pipeline.dist import RankInfo, rank_info, shard_for_rank
@@ -116,24 +117,26 @@ def _write_json_atomic(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def _recorded(out_dir: Path, index: int, plan_key: str) -> Optional[dict]:
-    """The shard's entry if it is complete for this plan, recording it if the previous run was killed
-    between renaming the shard and recording it."""
-    path, record = out_dir / shard_name(index), _progress_path(out_dir, index)
-    if record.is_file() and path.is_file():
+def _recorded(out_dir: Path, k: int, plan: DumpPlan) -> Optional[dict]:
+    """Shard k's entry if it is complete for this plan. A shard renamed into place but never recorded (a kill
+    between the two) is adopted when its footer carries this plan key and the planned row count."""
+    path, record = out_dir / shard_name(k), _progress_path(out_dir, k)
+    if not path.is_file():
+        return None
+    if record.is_file():
         doc = json.loads(record.read_text())
-        if doc.get("plan_key") == plan_key and doc["entry"]["bytes"] == path.stat().st_size:
-            return doc["entry"]
-    if path.is_file():
-        try:
-            meta, _ = shard_metadata(path)
-        except Exception:  # not an Arrow file we wrote: rewrite it
-            return None
-        if meta.get("plan_key") == plan_key:
-            entry = shard_entry(path)
-            _write_json_atomic(record, {"plan_key": plan_key, "entry": entry})
-            return entry
-    return None
+        if doc.get("plan_key") == plan.key:
+            # Recorded for this plan: trusted if the size still matches (dump.verify rechecks content).
+            return doc["entry"] if doc["entry"]["bytes"] == path.stat().st_size else None
+    try:
+        meta, rows = shard_metadata(path)
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):  # not a complete shard of ours
+        return None
+    if meta.get("plan_key") != plan.key or rows != plan.shard_rows[k]:
+        return None
+    entry = shard_entry(path)
+    _write_json_atomic(record, {"plan_key": plan.key, "entry": entry})
+    return entry
 
 
 def _all_recorded(out_dir: Path, n_shards: int, plan_key: str) -> Optional[list[dict]]:
@@ -153,7 +156,7 @@ def _all_recorded(out_dir: Path, n_shards: int, plan_key: str) -> Optional[list[
 def _remove_stale(out_dir: Path, n_shards: int) -> None:
     """Once every shard is complete: temporary files of writers that were killed, and shards beyond this
     plan's count left by an earlier run with another input or config."""
-    for tmp in out_dir.glob(".shard-*.arrow.tmp"):
+    for tmp in [*out_dir.glob(".shard-*.arrow.tmp"), *(out_dir / PROGRESS_DIR).glob(".*.tmp")]:
         tmp.unlink(missing_ok=True)
     for path in out_dir.glob("shard-*.arrow"):
         if shard_index(path.name) >= n_shards:
@@ -176,7 +179,7 @@ def dump_hidden_states(target, samples: Sequence[TokenizedSample], cfg: DumpConf
     schema = layout.schema(plan.key)
     _invalidate_old_manifest(out_dir, plan.key)
 
-    mine = [k for k in shard_for_rank(len(plan.shards), rank) if _recorded(out_dir, k, plan.key) is None]
+    mine = [k for k in shard_for_rank(len(plan.shards), rank) if _recorded(out_dir, k, plan) is None]
     todo_tokens = sum(plan.shard_tokens[k] for k in mine)
     log.info("dump: %d samples, %d batches, %d shards; rank %d/%d writes %d shards (%d tokens)%s", len(samples),
              len(plan.batches), len(plan.shards), rank.rank, rank.world_size, len(mine), todo_tokens,
