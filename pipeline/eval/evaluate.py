@@ -1,0 +1,103 @@
+"""Answer every question turn by turn with the tree decoder (and the vanilla baseline), recording
+per-turn tokens, target forwards, accept lengths and wall time."""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Optional
+
+import torch
+from tqdm import tqdm
+
+from pipeline.data.chat import render_prompt
+from pipeline.eval.config import EvalConfig
+from pipeline.eval.decoder import GenerationResult, generate, vanilla_generate
+from pipeline.eval.drafter import EagleDrafter
+from pipeline.eval.questions import Question
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnRecord:
+    question_id: str
+    category: str
+    turn: int
+    prompt_tokens: int
+    new_tokens: int
+    target_forwards: int  # verification forwards, prefill excluded
+    accept_lengths: list[int]
+    wall_s: float
+    target_s: float
+    draft_s: float
+    other_s: float
+    answer: str
+    baseline_wall_s: Optional[float] = None
+    baseline_new_tokens: Optional[int] = None
+    # Greedy only: the speculative output equals plain greedy decoding token for token.
+    matches_baseline: Optional[bool] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        return sum(a + 1 for a in self.accept_lengths) / max(1, len(self.accept_lengths))
+
+
+def stop_token_ids(target_model, tokenizer) -> set[int]:
+    """EOS of the generation config plus the tokenizer's eos (the chat template's end-of-turn token)."""
+    ids: set[int] = set()
+    for source in (getattr(target_model, "generation_config", None), target_model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfig,
+                     system_prompt: Optional[str] = None) -> list[TurnRecord]:
+    model, tokenizer = target.model, target.tokenizer
+    eos = stop_token_ids(model, tokenizer)
+    drafter = EagleDrafter(head)
+    records = []
+    questions = list(questions)
+    bar = tqdm(total=sum(len(q.turns) for q in questions), desc="eval", unit="turn")
+    for qi, q in enumerate(questions):
+        messages = [{"role": "system", "content": q.system}] if q.system else []
+        for ti, user in enumerate(q.turns):
+            messages.append({"role": "user", "content": user})
+            prompt = torch.tensor(render_prompt(tokenizer, messages, system_prompt=system_prompt))
+            # One seed per (question, turn): sampling runs are reproducible and independent of order.
+            seed = cfg.seed * 1_000_003 + qi * 101 + ti
+            spec = generate(model, drafter, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
+                            top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens,
+                            eos_token_ids=eos, seed=seed)
+            rec = _record(q, ti, prompt, spec, tokenizer)
+            if cfg.baseline:
+                base = vanilla_generate(model, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
+                                        eos_token_ids=eos, seed=seed)
+                rec.baseline_wall_s, rec.baseline_new_tokens = base.wall_time, len(base.tokens)
+                if cfg.temperature <= 0:
+                    rec.matches_baseline = base.tokens == spec.tokens
+            records.append(rec)
+            messages.append({"role": "assistant", "content": rec.answer})
+            bar.update(1)
+            bar.set_postfix(tau=f"{rec.tau:.2f}")
+    bar.close()
+    return records
+
+
+def _record(q: Question, turn: int, prompt: torch.Tensor, res: GenerationResult, tokenizer) -> TurnRecord:
+    return TurnRecord(
+        question_id=q.id, category=q.category, turn=turn, prompt_tokens=int(prompt.numel()),
+        new_tokens=len(res.tokens), target_forwards=res.n_target_forwards,
+        accept_lengths=list(res.accept_lengths), wall_s=res.wall_time, target_s=res.target_time,
+        draft_s=res.draft_time, other_s=res.other_time,
+        answer=tokenizer.decode(res.tokens, skip_special_tokens=True).strip())
+
+
+def record_dict(rec: TurnRecord) -> dict:
+    d = asdict(rec)
+    d["tau"] = rec.tau
+    return d

@@ -1,0 +1,114 @@
+"""Aggregate turn records into tau (official EAGLE definition), acceptance by depth, speedup; write the
+summary, the plot and W&B."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pipeline.eval.evaluate import TurnRecord
+
+
+def tau_of(records: Sequence[TurnRecord]) -> float:
+    """sum over verification forwards of (accepted drafts + 1) / number of verification forwards."""
+    lengths = [a for r in records for a in r.accept_lengths]
+    return sum(a + 1 for a in lengths) / len(lengths) if lengths else float("nan")
+
+
+def acceptance_by_depth(records: Sequence[TurnRecord], depth: int) -> list[float]:
+    """alpha_d: P(draft token d accepted | drafts 1..d-1 accepted), d = 1..depth (n-alpha)."""
+    lengths = [a for r in records for a in r.accept_lengths]
+    reached = [len(lengths)] + [sum(a >= d for a in lengths) for d in range(1, depth + 1)]
+    return [reached[d] / reached[d - 1] if reached[d - 1] else float("nan") for d in range(1, depth + 1)]
+
+
+def summarize(records: Sequence[TurnRecord], settings: dict, depth: int) -> dict:
+    by_cat: dict[str, list[TurnRecord]] = defaultdict(list)
+    for r in records:
+        by_cat[r.category].append(r)
+    spec_s = sum(r.wall_s for r in records)
+    new_tokens = sum(r.new_tokens for r in records)
+    step_s = {k: sum(getattr(r, f"{k}_s") for r in records) for k in ("target", "draft", "other")}
+    summary = {
+        "tau": tau_of(records),
+        "tau_per_category": {c: tau_of(rs) for c, rs in sorted(by_cat.items())},
+        "acceptance_by_depth": acceptance_by_depth(records, depth),
+        "settings": settings,
+        "turns": len(records),
+        "new_tokens": new_tokens,
+        "verification_forwards": sum(r.target_forwards for r in records),
+        "spec_wall_s": spec_s,
+        "spec_tokens_per_s": new_tokens / spec_s if spec_s else float("nan"),
+        "time_fraction": {k: v / spec_s if spec_s else float("nan") for k, v in step_s.items()},
+    }
+    if all(r.baseline_wall_s is not None for r in records):
+        base_s = sum(r.baseline_wall_s for r in records)
+        base_tokens = sum(r.baseline_new_tokens for r in records)
+        summary.update(baseline_wall_s=base_s, baseline_tokens_per_s=base_tokens / base_s,
+                       speedup=(new_tokens / spec_s) / (base_tokens / base_s))
+        checked = [r.matches_baseline for r in records if r.matches_baseline is not None]
+        if checked:
+            summary["greedy_matches_baseline"] = f"{sum(checked)}/{len(checked)}"
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    s = summary["settings"]
+    lines = [f"tau {summary['tau']:.3f}  (depth {s['depth']}, top_k {s['top_k']}, total_tokens "
+             f"{s['total_tokens']}, T={s['temperature']:g}, {summary['turns']} turns, "
+             f"{summary['new_tokens']} new tokens)"]
+    if "speedup" in summary:
+        lines.append(f"speedup {summary['speedup']:.2f}x  ({summary['spec_tokens_per_s']:.1f} vs "
+                     f"{summary['baseline_tokens_per_s']:.1f} tokens/s vanilla, {s['device']})")
+    if "greedy_matches_baseline" in summary:
+        lines.append(f"greedy output identical to vanilla decoding: {summary['greedy_matches_baseline']} turns")
+    lines.append("per category: " + ", ".join(f"{c} {t:.2f}" for c, t in summary["tau_per_category"].items()))
+    lines.append("acceptance by depth: " + " ".join(f"{a:.2f}" for a in summary["acceptance_by_depth"]))
+    tf = summary["time_fraction"]
+    lines.append(f"decode time: target {tf['target']:.0%}, draft {tf['draft']:.0%}, other {tf['other']:.0%}")
+    return "\n".join(lines)
+
+
+def plot_summary(summary: dict, out_png: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    cats = list(summary["tau_per_category"])
+    a.bar(cats, [summary["tau_per_category"][c] for c in cats])
+    a.axhline(summary["tau"], color="k", linestyle="--", label=f"overall {summary['tau']:.2f}")
+    a.set_title("tau per category")
+    a.tick_params(axis="x", rotation=30)
+    a.legend()
+    acc = summary["acceptance_by_depth"]
+    b.plot(range(1, len(acc) + 1), acc, marker="o")
+    b.set_xlabel("draft depth d")
+    b.set_ylim(0, 1)
+    b.set_title("acceptance rate alpha_d")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def log_wandb(wandb_cfg, out_dir: Path, summary: dict, run_name: str, config: dict) -> Optional[str]:
+    import os
+
+    mode = os.environ.get("WANDB_MODE") or wandb_cfg.mode
+    if mode == "disabled":
+        return None
+    import wandb
+
+    run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, mode=mode,
+                     dir=str(wandb_cfg.dir or out_dir), name=run_name, config=config, job_type="eval")
+    flat = {"eval/tau": summary["tau"], **{f"eval/tau_{c}": t for c, t in summary["tau_per_category"].items()},
+            **{f"eval/alpha_{d + 1}": a for d, a in enumerate(summary["acceptance_by_depth"])}}
+    if "speedup" in summary:
+        flat["eval/speedup"] = summary["speedup"]
+    run.log(flat)
+    run.summary.update(flat)
+    run.finish()
+    return run.id

@@ -1,0 +1,53 @@
+"""Stage eval: tau and speedup of a trained head with the tree speculative decoder."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from pipeline.data.bad_records import BadRecordReport
+from pipeline.eval.evaluate import answer_questions, record_dict
+from pipeline.eval.questions import load_questions
+from pipeline.eval.report import format_summary, log_wandb, plot_summary, summarize
+from pipeline.manifest import load_manifest, to_plain, write_manifest
+from pipeline.target import load_target
+from pipeline.train.checkpoint import load_head
+
+log = logging.getLogger(__name__)
+
+
+def main(cfg) -> dict:
+    t0 = time.perf_counter()
+    train_dir, out_dir = cfg.stage_dir("train"), cfg.stage_dir("eval")
+    train_manifest = load_manifest(train_dir, expect_stage="train")
+    target = load_target(cfg.target)
+    head = load_head(train_dir, target)  # refuses a head trained on another target
+    report = BadRecordReport()
+    questions = load_questions(cfg.eval.questions, cfg.eval.limit, report, cfg.data.on_bad_record)
+    records = answer_questions(target, head, questions, cfg.eval, system_prompt=cfg.data.system_prompt)
+
+    settings = {"top_k": cfg.eval.top_k, "depth": cfg.eval.depth, "total_tokens": cfg.eval.total_tokens,
+                "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
+                "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+                "questions": cfg.eval.questions or "demo", "head": cfg.head.name}
+    summary = summarize(records, settings, cfg.eval.depth)
+    summary["target"] = target.fingerprint
+    summary["head"] = {"name": cfg.head.name, "kind": head.config.kind,
+                       "train_manifest_code_version": train_manifest.get("code_version"),
+                       "config": head.config.to_dict()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "answers.jsonl", "w") as f:
+        for rec in records:
+            f.write(json.dumps(record_dict(rec), ensure_ascii=False) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
+    plot_summary(summary, out_dir / "tau.png", title=f"{cfg.name} / {cfg.head.name} / {cfg.eval_run_name}")
+    log_wandb(cfg.wandb, out_dir, summary, f"{cfg.name}-{cfg.head.name}-{cfg.eval_run_name}",
+              to_plain({"eval": cfg.eval, "head": cfg.head, "target": cfg.target}))
+    write_manifest(out_dir, "eval", config={"eval": cfg.eval, "head": cfg.head, "target": cfg.target},
+                   counts={"questions": len(questions), "turns": len(records),
+                           "new_tokens": summary["new_tokens"], "bad_records": report.to_dict()},
+                   timings={"total_s": time.perf_counter() - t0, "spec_wall_s": summary["spec_wall_s"]},
+                   inputs=[train_dir], target=target.fingerprint, tau=summary["tau"],
+                   speedup=summary.get("speedup"))
+    print(f"[eval] {cfg.name}/{cfg.head.name}/{cfg.eval_run_name} -> {out_dir}\n{format_summary(summary)}")
+    return summary

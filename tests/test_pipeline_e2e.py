@@ -1,0 +1,67 @@
+"""The whole chain through the real CLI on the tiny Llama: regen -> dump -> train -> eval, each stage
+reading the previous stage's manifest; the eval's greedy output equals vanilla decoding."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.manifest import load_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline", HF_HUB_OFFLINE="1", **(env_extra or {}))
+    out = subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{args[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return out
+
+
+def tiny_args(root: Path, model_dir: Path) -> list[str]:
+    return [f"output_root={root}", "experiment=demo", "name=e2e", "target=hf", f"target.path={model_dir}",
+            "target.name=tiny", "regen.limit=6", "regen.max_new_tokens=24", "regen.batch_size=4",
+            "head.draft_vocab_size=200", "train.epochs=3", "train.lr=3e-3", "train.warmup_steps=2",
+            "train.micro_batch_tokens=512", "train.save_every=0", "train.eval_every=0", "train.tau_prompts=1",
+            "train.tau_max_new_tokens=8", "train.val_fraction=0.2", "eval.max_new_tokens=32",
+            "eval.depth=4", "eval.top_k=4", "eval.total_tokens=16"]
+
+
+def test_chain_regen_dump_train_eval(tmp_path, tiny_model_dir):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "math", "turns": ["What is 12 times 7?"]},
+        {"question_id": 2, "category": "chat", "turns": ["Say hello.", "Now say it twice."]},
+        {"question_id": 3, "category": "chat", "turns": ["Write a poem about the sea."]}]) + "\n")
+    args = tiny_args(tmp_path, tiny_model_dir) + [f"eval.questions={questions}"]
+    for stage in ("regen", "dump", "train", "eval"):
+        run_cli([f"stage={stage}", *args])
+    exp = tmp_path / "e2e"
+    regen, dump = load_manifest(exp / "regen", "regen"), load_manifest(exp / "dump", "dump")
+    train = load_manifest(exp / "train" / "eagle3", "train")
+    ev_dir = exp / "eval" / "eagle3" / "questions-T0"
+    ev = load_manifest(ev_dir, "eval")
+    # Each stage pins the exact manifest of its input.
+    assert dump["inputs"][0]["path"].endswith("e2e/regen")
+    assert train["inputs"][0]["path"].endswith("e2e/dump")
+    assert ev["inputs"][0]["path"].endswith("e2e/train/eagle3")
+    fp = regen["target"]
+    assert dump["target"] == fp and train["target"] == fp and ev["target"] == fp
+
+    summary = json.loads((ev_dir / "summary.json").read_text())
+    assert summary["turns"] == 4  # the second question has two turns
+    assert 1.0 <= summary["tau"] <= summary["settings"]["depth"] + 1
+    assert summary["greedy_matches_baseline"] == "4/4"
+    assert set(summary["time_fraction"]) == {"target", "draft", "other"}
+    assert (ev_dir / "tau.png").stat().st_size > 0
+    answers = [json.loads(l) for l in (ev_dir / "answers.jsonl").read_text().splitlines()]
+    assert [(a["question_id"], a["turn"]) for a in answers] == [("1", 0), ("2", 0), ("2", 1), ("3", 0)]
+    # The second turn is asked with the first turn's generated answer as history.
+    assert answers[2]["prompt_tokens"] > answers[1]["prompt_tokens"] + answers[1]["new_tokens"]
+    for a in answers:  # the prefill token plus what each verification forward emitted, capped
+        assert a["new_tokens"] == min(32, 1 + sum(x + 1 for x in a["accept_lengths"])) or a["new_tokens"] < 32
