@@ -3,6 +3,7 @@ checks, verification, resumption and ranks -- on the tiny Llama (SmolLM2 checks 
 from __future__ import annotations
 
 import json
+import pickle
 import random
 from pathlib import Path
 
@@ -149,6 +150,10 @@ def test_dump_roundtrip_zero_copy(tiny_target, samples, tmp_path, dtype):
                 assert got.aux_hidden.dtype == layout.dtype
                 assert torch.equal(got.aux_hidden, aux[start:start + n]) and torch.equal(got.final_hidden, final[start:start + n])
                 start, row = start + n, row + 1
+
+    # DataLoader workers get a pickled reader that maps the shards again on first access.
+    clone = pickle.loads(pickle.dumps(reader))
+    assert torch.equal(clone[len(clone) - 1].aux_hidden, reader[len(reader) - 1].aux_hidden)
 
     # Zero-copy: the states live in the storage that maps the whole shard file.
     sample = reader[0]

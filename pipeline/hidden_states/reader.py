@@ -4,7 +4,7 @@
     sample = reader[i]        # DumpSample(id, input_ids [T], loss_mask [T], aux_hidden [T, 3H], final_hidden [T, H])
     reader.lengths            # np.int64 [len(reader)] tokens per row, e.g. for length-grouped batching
 
-Each shard is mapped copy-on-write (`mmap.ACCESS_COPY`): `aux_hidden` / `final_hidden` are views of the
+Each shard is mapped copy-on-write (`torch.from_file(shared=False)`, i.e. MAP_PRIVATE): `aux_hidden` / `final_hidden` are views of the
 file's pages, so reading costs page cache, not anonymous memory, and an in-place edit of a returned tensor
 touches a private copy of that page, never the file. Arrow only parses the layout (footer, offsets);
 the bytes go straight from the mapping into torch. `input_ids` / `loss_mask` are stored as int32 / uint8
@@ -13,7 +13,6 @@ and widened to int64 on access (a copy of T elements).
 from __future__ import annotations
 
 import json
-import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +41,9 @@ class _Shard:
     """One memory-mapped shard: the whole file as a uint8 tensor, and Arrow's reader over the same pages."""
 
     def __init__(self, path: Path):
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [file size], no copy
-        self._base = pa.py_buffer(self._map)
+        # shared=False maps the file MAP_PRIVATE (copy-on-write) and closes its descriptor: no fd per shard.
+        self.bytes = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+        self._base = pa.py_buffer(self.bytes.numpy())  # the same pages, for Arrow to parse
         self.reader = pa.ipc.open_file(pa.BufferReader(self._base))
         self.meta = json.loads(self.reader.schema.metadata[META_KEY])
 

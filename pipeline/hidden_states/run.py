@@ -42,7 +42,6 @@ def main(cfg) -> DumpSummary:
         manifest_extra={"config": {"dump": cfg.dump, "data": cfg.data, "target": cfg.target},
                         "counts": dict(counts), "inputs": inputs, "bad_records": report.to_dict()})
     log.info("%s", summary)
-    print(summary, flush=True)
 
     if cfg.dump.verify and summary.manifest is not None:
         problems = verify_dump(out_dir)
