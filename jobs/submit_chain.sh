@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Submit the pipeline as a chain of Slurm jobs, regen -> dump -> train -> eval -> export: each job starts
+# only when the previous one succeeded (--dependency=afterok), and a failure cancels the rest of the chain.
+#
+#   jobs/submit_chain.sh experiment=<name> [key=value ...]            Hydra overrides: every stage gets them
+#   jobs/submit_chain.sh --partition=gpu --account=proj -- experiment=<name> head=eagle1
+#                        \____ sbatch options for every job ____/
+#   STAGES="train eval export" jobs/submit_chain.sh experiment=<name>     start from an existing dump
+#   TRAIN_SBATCH="--nodes=4 --time=48:00:00" jobs/submit_chain.sh ...     sbatch options for one stage
+#                                                                        (REGEN_SBATCH, DUMP_SBATCH, ...)
+# Prints "<stage> <job id>" per job. Logs: jobs/logs/<job name>-<job id>.out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+sbatch_options=()
+if [[ " $* " == *" -- "* ]]; then
+  while [[ $1 != -- ]]; do sbatch_options+=("$1"); shift; done
+  shift
+fi
+
+dependency=()
+for stage in ${STAGES:-regen dump train eval export}; do
+  [[ -f jobs/$stage.sbatch ]] || { echo "submit_chain: no job script jobs/$stage.sbatch" >&2; exit 2; }
+  per_stage="${stage^^}_SBATCH"
+  # shellcheck disable=SC2086  # per-stage options are a word list on purpose
+  id=$(sbatch --parsable "${dependency[@]}" "${sbatch_options[@]}" ${!per_stage:-} "jobs/$stage.sbatch" "$@")
+  id=${id%%;*}  # --parsable prints "id" or "id;cluster"
+  echo "$stage $id"
+  dependency=(--dependency="afterok:$id" --kill-on-invalid-dep=yes)
+done
