@@ -1,0 +1,259 @@
+"""Tree speculative decoding (EAGLE-2 style, batch size 1) on any HF causal LM with a DynamicCache, and the
+plain KV-cached decoding baseline it is measured against.
+
+One step: the drafter proposes a tree rooted at the last emitted token; one target forward verifies all of
+it (the tree's tokens appended after the cached prefix, a 4D ancestor mask, positions prefix + depth); the
+accepted path's KV entries are moved into place and the rest cropped, so nothing is recomputed; the
+drafter receives the target states of the accepted positions from that same forward.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .drafter import Drafter
+from .tree import TreeSpec
+from .verify import logits_to_probs, sample, verify_greedy, verify_sampling
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids (prompt excluded), truncated at EOS (kept) or max_new_tokens
+    accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per verification forward
+    n_target_forwards: int = 0  # prefill excluded
+    target_time: float = 0.0  # seconds in target forwards
+    draft_time: float = 0.0  # seconds in the drafter
+    other_time: float = 0.0  # everything else: tree masks, acceptance, KV bookkeeping
+
+    @property
+    def wall_time(self) -> float:
+        return self.target_time + self.draft_time + self.other_time
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification forward (accepted drafts + the bonus token)."""
+        if not self.accept_lengths:
+            return float("nan")
+        return sum(a + 1 for a in self.accept_lengths) / len(self.accept_lengths)
+
+    @property
+    def accepted_at_depth(self) -> list[int]:
+        """n-alpha counts: entry d-1 = verifications that accepted at least d draft tokens."""
+        top = max(self.accept_lengths, default=0)
+        return [sum(a >= d for a in self.accept_lengths) for d in range(1, top + 1)]
+
+    def acceptance_by_depth(self) -> list[float]:
+        """alpha_d = P(draft token d accepted | tokens 1..d-1 accepted), for d = 1..max accepted depth."""
+        reached = [len(self.accept_lengths)] + self.accepted_at_depth
+        return [reached[d] / reached[d - 1] for d in range(1, len(reached))]
+
+
+class _Clock:
+    """Wall time per phase; synchronizes CUDA so asynchronous kernels are charged to the right phase."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        self.totals[phase] += time.perf_counter() - t0
+
+
+def _eos_set(model: torch.nn.Module, eos_token_ids: Optional[Iterable[int]]) -> set[int]:
+    """None: the model's own generation config; an empty iterable disables stopping at EOS."""
+    if eos_token_ids is None:
+        cfg = getattr(model, "generation_config", None) or model.config
+        eos_token_ids = cfg.eos_token_id
+        if eos_token_ids is None:
+            return set()
+    if isinstance(eos_token_ids, int):
+        return {eos_token_ids}
+    return set(eos_token_ids)
+
+
+def _as_ids(input_ids, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=device)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError("the decoder runs batch size 1")
+        ids = ids[0]
+    if ids.numel() == 0:
+        raise ValueError("empty prompt")
+    return ids
+
+
+def _generator(seed: Optional[int]) -> torch.Generator:
+    gen = torch.Generator()  # CPU: every random draw is taken on CPU (verify.py), whatever the device
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def _new_cache(model: torch.nn.Module) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise NotImplementedError("tree decoding needs full-attention DynamicLayer caches (no sliding window)")
+    return cache
+
+
+def target_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    feature_layers: Sequence[int] = (),
+    position_ids: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    logits_to_keep: int = 0,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """input_ids [1, T] appended after `cache` -> (logits [T or logits_to_keep, V], states [T, F] or None).
+
+    states concatenates HF `hidden_states[i]` for i in feature_layers (i = residual stream entering layer i;
+    -1 = the last entry, which HF ties to the output of the final norm). Only those are captured."""
+    kwargs = {"output_hidden_states": list(feature_layers)} if feature_layers else {}
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+    states = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)[0] if feature_layers else None
+    return out.logits[0], states
+
+
+def keep_accepted_kv(cache: DynamicCache, prefix_len: int, path: list[int]) -> None:
+    """After a tree forward the cache holds prefix + all N tree nodes; keep prefix + the accepted path's
+    nodes, moved into consecutive slots (the path is increasing, so the copy never overwrites a source
+    before reading it; the gather makes a copy anyway)."""
+    idx = torch.tensor(path)
+    end = prefix_len + len(path)
+    for layer in cache.layers:
+        if path != list(range(len(path))):  # a contiguous path (root, first child, ...) is already in place
+            src = (prefix_len + idx).to(layer.keys.device)
+            layer.keys[..., prefix_len:end, :] = layer.keys[..., src, :]
+            layer.values[..., prefix_len:end, :] = layer.values[..., src, :]
+        layer.keys = layer.keys[..., :end, :]
+        layer.values = layer.values[..., :end, :]
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    return sample(logits_to_probs(logits, temperature, top_p), generator)
+
+
+def _emit(out: list[int], new_tokens: Sequence[int], max_new_tokens: int, eos: set[int]) -> bool:
+    """Append tokens up to EOS (inclusive) or the length limit; True when generation is finished."""
+    for t in new_tokens:
+        out.append(t)
+        if t in eos or len(out) >= max_new_tokens:
+            return True
+    return False
+
+
+@torch.no_grad()
+def generate(
+    target: torch.nn.Module,
+    drafter: Drafter,
+    input_ids,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 10,
+    depth: int = 6,
+    total_tokens: int = 60,
+    eos_token_ids: Optional[Iterable[int]] = None,
+    seed: Optional[int] = None,
+    top_p: float = 1.0,
+) -> GenerationResult:
+    """Speculative decoding of `input_ids` ([n] or [1, n]) with `drafter` (see TreeSpec for the tree
+    arguments). Greedy at temperature 0, else lossless sampling from softmax(logits / T) (top_p filtered).
+    eos_token_ids=None takes the target's generation config; () never stops early."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device, dtype = target.device, target.dtype
+    ids = _as_ids(input_ids, device)
+    spec = TreeSpec(top_k=top_k, depth=depth, total_tokens=total_tokens)
+    eos, gen, clock = _eos_set(target, eos_token_ids), _generator(seed), _Clock(device)
+    layers = tuple(drafter.feature_layers)
+    cache = _new_cache(target)
+    t_start = time.perf_counter()
+
+    with clock("target"):
+        logits, states = target_forward(target, ids[None], cache, layers, logits_to_keep=1)
+    token = _next_token(logits[-1], temperature, top_p, gen)
+    out: list[int] = []
+    accept_lengths: list[int] = []
+    done = _emit(out, [token], max_new_tokens, eos)
+    if not done:
+        with clock("draft"):
+            drafter.start(ids, states, token)
+    while not done:
+        with clock("draft"):
+            tree = drafter.draft(spec, temperature, gen)
+        prefix = cache.get_seq_length()
+        mask = tree.attention_mask(prefix, dtype, device)
+        with clock("target"):
+            logits, states = target_forward(
+                target, tree.tokens[None].to(device), cache, layers, tree.position_ids(prefix, device), mask)
+        if temperature <= 0:
+            path, bonus = verify_greedy(tree, logits)
+        else:
+            path, bonus = verify_sampling(tree, logits, temperature, gen, top_p)
+        keep_accepted_kv(cache, prefix, path)
+        new_tokens = [tree.token_list[i] for i in path[1:]] + [bonus]
+        accept_lengths.append(len(path) - 1)
+        done = _emit(out, new_tokens, max_new_tokens, eos)
+        if not done:
+            accepted_states = None if states is None else states[torch.tensor(path, device=device)]
+            with clock("draft"):
+                drafter.accept(accepted_states, torch.tensor(new_tokens, device=device))
+
+    wall = time.perf_counter() - t_start
+    return GenerationResult(
+        tokens=out, accept_lengths=accept_lengths, n_target_forwards=len(accept_lengths),
+        target_time=clock.totals["target"], draft_time=clock.totals["draft"],
+        other_time=wall - clock.totals["target"] - clock.totals["draft"])
+
+
+@torch.no_grad()
+def vanilla_generate(
+    target: torch.nn.Module,
+    input_ids,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_token_ids: Optional[Iterable[int]] = None,
+    seed: Optional[int] = None,
+    top_p: float = 1.0,
+) -> GenerationResult:
+    """The baseline: one KV-cached target forward per token, same sampling and stopping rules."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device = target.device
+    ids = _as_ids(input_ids, device)
+    eos, gen, clock = _eos_set(target, eos_token_ids), _generator(seed), _Clock(device)
+    cache = _new_cache(target)
+    t_start = time.perf_counter()
+    with clock("target"):
+        logits, _ = target_forward(target, ids[None], cache, logits_to_keep=1)
+    out: list[int] = []
+    n_forwards = 0
+    while not _emit(out, [_next_token(logits[-1], temperature, top_p, gen)], max_new_tokens, eos):
+        with clock("target"):
+            logits, _ = target_forward(target, torch.tensor([[out[-1]]], device=device), cache, logits_to_keep=1)
+        n_forwards += 1
+    wall = time.perf_counter() - t_start
+    return GenerationResult(tokens=out, n_target_forwards=n_forwards, target_time=clock.totals["target"],
+                            other_time=wall - clock.totals["target"])

@@ -1,0 +1,120 @@
+"""Greedy tree speculative decoding is lossless: token for token what HF `generate` produces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.eval.decoder import generate, vanilla_generate
+from pipeline.eval.drafter import EagleDrafter, OracleDrafter
+from pipeline.train.heads.common import build_draft_head
+from pipeline.train.heads.config import DraftHeadConfig
+
+N_NEW = 256
+QUESTIONS = [
+    "What is 12 times 7?",
+    "Write a short poem about the sea, the wind and the stars.",
+    "def add(a, b):",
+]
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Batch-1 decoding is overhead-bound on CPU; a second thread only adds synchronization."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def chat_ids(tokenizer, question: str) -> torch.Tensor:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos=None) -> list[int]:
+    out = model.generate(prompt[None], do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                         pad_token_id=0, attention_mask=torch.ones_like(prompt[None]))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, tiny_tokenizer):
+    """(prompt, HF greedy continuation of N_NEW tokens with EOS disabled) per question."""
+    torch.set_num_threads(1)
+    prompts = [chat_ids(tiny_tokenizer, q) for q in QUESTIONS]
+    return [(p, hf_greedy(tiny_model, p, N_NEW)) for p in prompts]
+
+
+@pytest.mark.parametrize("case", range(len(QUESTIONS)))
+def test_tree_decoding_equals_hf_generate(tiny_model, references, case):
+    prompt, expected = references[case]
+    drafter = OracleDrafter(prompt.tolist() + expected, tiny_model.config.vocab_size, miss_rate=0.1, seed=case)
+    result = generate(tiny_model, drafter, prompt, N_NEW, top_k=10, depth=6, total_tokens=60, eos_token_ids=())
+    assert result.tokens == expected
+    mean_accepted = sum(result.accept_lengths) / len(result.accept_lengths)
+    assert mean_accepted >= 3, result.accept_lengths
+    assert result.n_target_forwards == len(result.accept_lengths) < N_NEW / 4
+    assert result.tau == pytest.approx(mean_accepted + 1)
+    assert max(result.accept_lengths) <= 7  # depth + 1 draft tokens at most
+    assert result.accepted_at_depth[0] <= len(result.accept_lengths)
+    assert all(0 <= a <= 1 for a in result.acceptance_by_depth())
+
+
+@pytest.mark.parametrize("top_k,depth,total_tokens", [(1, 5, 7), (1, 3, 3), (2, 4, 9)])
+def test_chains_and_small_trees_are_lossless(tiny_model, references, top_k, depth, total_tokens):
+    prompt, expected = references[0]
+    drafter = OracleDrafter(prompt.tolist() + expected, tiny_model.config.vocab_size, miss_rate=0.2)
+    result = generate(tiny_model, drafter, prompt, N_NEW, top_k=top_k, depth=depth, total_tokens=total_tokens,
+                      eos_token_ids=())
+    assert result.tokens == expected
+    assert max(result.accept_lengths) <= min(depth + 1, total_tokens - 1)
+    assert sum(result.accept_lengths) > len(result.accept_lengths)  # drafts were accepted
+
+
+def test_vanilla_generate_equals_hf_generate(tiny_model, references):
+    prompt, expected = references[1]
+    result = vanilla_generate(tiny_model, prompt, N_NEW, eos_token_ids=())
+    assert result.tokens == expected
+    assert result.n_target_forwards == N_NEW - 1  # the first token comes from the prefill
+
+
+def test_stops_exactly_at_eos_and_at_max_new_tokens(tiny_model, references):
+    prompt, expected = references[2]
+    reference = prompt.tolist() + expected
+    # EOS: a token first seen mid-way through the continuation; everything after it must be dropped, even
+    # tokens accepted in the same verification step.
+    eos_at = next(i for i in range(20, N_NEW) if expected[i] not in expected[:i])
+    eos = expected[eos_at]
+    result = generate(tiny_model, OracleDrafter(reference, 384, miss_rate=0.0), prompt, N_NEW, eos_token_ids=[eos])
+    assert result.tokens == expected[: eos_at + 1] == hf_greedy(tiny_model, prompt, N_NEW, eos=eos)
+    assert vanilla_generate(tiny_model, prompt, N_NEW, eos_token_ids=[eos]).tokens == result.tokens
+    for limit in (1, 2, 37):
+        result = generate(tiny_model, OracleDrafter(reference, 384, miss_rate=0.0), prompt, limit, eos_token_ids=())
+        assert result.tokens == expected[:limit]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_eagle_drafter_is_lossless(tiny_model, references, kind):
+    """A randomly initialized head drafts garbage; the output must still be the target's own."""
+    prompt, expected = references[1]
+    cfg = DraftHeadConfig.from_target(tiny_model.config, kind, draft_vocab_size=None if kind == "eagle1" else 200,
+                                      aux_layer_ids=None)
+    torch.manual_seed(0)
+    head = build_draft_head(cfg).eval()
+    head.copy_from_target(tiny_model)
+    result = generate(tiny_model, EagleDrafter(head), prompt, 64, top_k=4, depth=3, total_tokens=16,
+                      eos_token_ids=())
+    assert result.tokens == expected[:64]
+    assert result.draft_time > 0 and result.target_time > 0
+
+
+@pytest.mark.slow
+def test_tree_decoding_equals_hf_generate_on_smollm2(smollm2):
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    prompt = chat_ids(tokenizer, "Write a long story about a lighthouse keeper and a storm.").to(smollm2.device)
+    expected = hf_greedy(model, prompt, N_NEW)
+    drafter = OracleDrafter(prompt.tolist() + expected, model.config.vocab_size, miss_rate=0.1)
+    result = generate(model, drafter, prompt, N_NEW, eos_token_ids=())
+    assert result.tokens == expected
+    assert sum(result.accept_lengths) / len(result.accept_lengths) >= 3
