@@ -23,7 +23,7 @@ from pipeline.regen import run as regen_run
 from pipeline.regen.batching import RegenItem, make_plan, to_item
 from pipeline.regen.config import RegenConfig
 from pipeline.regen.hf_backend import HFBackend, stop_token_ids
-from pipeline.regen.shards import RegenStateError, regen_sources
+from pipeline.regen.shards import RegenDir, RegenStateError, regen_sources
 from pipeline.regen.waves import Answer, Request, degenerate_flags
 from pipeline.target import TargetConfig, load_target
 
@@ -223,24 +223,30 @@ def _env(threads: int, **extra) -> dict:
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, source):
     cfg = _cfg(tmp_path, tiny_model_dir, source, name="killed", batch_size=1, batches_per_shard=2,
                max_new_tokens=48)
-    first_shard = cfg.stage_dir("regen") / "shards" / "shard-00000.jsonl"
+    out = cfg.stage_dir("regen")
+    # The first batch of shard 1 is on disk (so shard 0 is complete) and the second is being generated.
+    mid_shard = out / "state" / "batches" / "batch-000002.json"
     proc = subprocess.Popen(_stage_cmd(cfg), cwd=REPO, env=_env(2), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
-        while not first_shard.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not mid_shard.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
         assert proc.poll() is None, f"finished before the kill: {proc.stderr.read().decode()[-2000:]}"
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()
-    out = cfg.stage_dir("regen")
-    n_done = len(list((out / "shards").glob("*.jsonl")))
-    assert 1 <= n_done < 9 and not (out / "manifest.json").exists()
+    shards = list((out / "shards").glob("*.jsonl"))
+    batches = list((out / "state" / "batches").glob("*.json"))
+    assert len(shards) >= 1 and len(batches) >= 1 and not (out / "manifest.json").exists()
+    finished = sum(len(p.read_text().splitlines()) for p in shards) + len(batches)  # one conversation a batch
 
     resumed = subprocess.run(_stage_cmd(cfg), cwd=REPO, env=_env(2), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "(resuming)" in resumed.stdout + resumed.stderr  # Hydra logs to stdout
+    log = resumed.stdout + resumed.stderr  # Hydra logs to stdout
+    assert "(resuming)" in log
+    # Whole finished batches are skipped: only the rest is generated again.
+    assert f"this run: {len(_records()) - finished} conversations" in log
 
     torch.set_num_threads(2)  # as the subprocesses
     reference = _cfg(tmp_path, tiny_model_dir, source, name="whole", batch_size=1, batches_per_shard=2,
@@ -249,6 +255,17 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir
     assert _shards(cfg) == _shards(reference)
     ids = [c["id"] for c in _read_back(out)[0]]
     assert len(ids) == len(set(ids)) == len(_records())
+    assert not list((out / "state" / "batches").glob("*"))  # folded into their shards
+
+
+def test_rank_0_gives_up_waiting_with_a_clear_error(tmp_path):
+    with pytest.raises(RegenStateError, match="1 of 2 shards still missing"):
+        out = RegenDir(tmp_path)
+        out.done_path(0).parent.mkdir(parents=True)
+        out.shards.mkdir()
+        out.shard_path(0).write_text("")
+        out.done_path(0).write_text("{}")
+        out.wait_for_shards(2, timeout_s=0.2, poll_s=0.05)
 
 
 def test_two_ranks_write_disjoint_shards_whose_union_is_the_single_rank_output(tmp_path, tiny_model_dir, source):

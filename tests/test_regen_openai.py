@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -126,7 +125,8 @@ def test_timeouts_are_retried_then_recorded(tmp_path, llama_server):
     summary = regen_run.main(cfg)
     assert summary["written"] == 0 and summary["failures_by_reason"] == {"timeout": 2}
     out = cfg.stage_dir("regen")
-    errors = [json.loads(line) for e in load_manifest(out)["errors"] for line in (out / e["path"]).read_text().splitlines()]
+    errors = [json.loads(line) for e in load_manifest(out)["errors"]
+              for line in (out / e["path"]).read_text().splitlines()]
     assert sorted(e["id"] for e in errors) == ["q0", "q1"] and {e["attempts"] for e in errors} == {2}
 
 
