@@ -20,7 +20,7 @@ from pipeline.eval.drafter import EagleDrafter
 from pipeline.export import formats as fmts
 from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import (CONFIG, WEIGHTS, ExportError, check_export, export_head, load_export,
-                                      max_logit_diff, tensor_infos)
+                                      max_logit_diff, model_architectures, tensor_infos)
 from pipeline.manifest import digest_file, load_manifest, write_manifest
 from pipeline.train.checkpoint import save_head
 from pipeline.train.config import HeadConfig
@@ -400,3 +400,26 @@ def test_cli_runs_the_stage(tiny_model, tiny_model_dir, tmp_path):
     assert f"export (vllm, float32): {out.resolve()}" in run.stdout
     assert f"vllm serve {VERIFIER} --speculative-config" in run.stdout
     assert {t.name for t in check_export(out)} == VLLM_TENSORS
+
+
+@pytest.mark.slow
+def test_smollm2_sized_head_exports_exactly(smollm2, tmp_path):
+    """At the real target's dimensions (30 layers, H 576, vocab 49152): default layers [2, 15, 27] left to the
+    frameworks by the sglang format and spelled out by the vllm one; an fp32 export decodes identically."""
+    model = smollm2.model
+    head = make_head(model)
+    assert head.config.aux_layer_ids == [2, 15, 27]
+    prompt = smollm2.tokenizer("The lighthouse keeper", return_tensors="pt").input_ids[0]
+    reference = generate(model, EagleDrafter(head), prompt, 12, eos_token_ids=())
+    for fmt in ("sglang", "vllm"):
+        out = export_head(head, tmp_path / fmt, fmt, torch.float32, num_target_layers=30,
+                          verifier=smollm2.fingerprint["hub_id"], verifier_architectures=model_architectures(model))
+        cfg = read_config(out)
+        if fmt == "sglang":
+            assert "eagle_config" not in cfg
+        else:
+            assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+            assert cfg["speculators_config"]["verifier"] == {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                                             "architectures": ["LlamaForCausalLM"]}
+        result = generate(model, EagleDrafter(load_export(out, smollm2)), prompt, 12, eos_token_ids=())
+        assert result.tokens == reference.tokens and result.accept_lengths == reference.accept_lengths

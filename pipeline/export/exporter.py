@@ -72,6 +72,12 @@ def export_head(
     return _write_atomically(Path(out_dir), doc, state)
 
 
+def model_architectures(model: nn.Module) -> list[str]:
+    """The verifier's architectures for the vllm config; GGUF-converted configs carry none, so the loaded
+    class names itself."""
+    return list(getattr(model.config, "architectures", None) or [type(model).__name__])
+
+
 def export_state(head: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors under the format's names; floating tensors in `dtype`, the vocabulary maps as they
     are (int64 d2t, bool t2d). EAGLE-3 fc column blocks are put in ascending aux-layer order."""

@@ -18,7 +18,8 @@ from pipeline.target import load_target
 from pipeline.train.checkpoint import load_head
 
 from . import formats as F
-from .exporter import check_export, export_head, load_export, max_logit_diff, tensor_table
+from .exporter import (check_export, export_head, load_export, max_logit_diff, model_architectures,
+                       tensor_table)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def main(cfg) -> Path:
     num_layers = target.num_layers
     verifier = verifier_name(cfg)
     out = export_head(head, export_root / fmt, fmt, dtype, num_target_layers=num_layers, verifier=verifier,
-                      verifier_architectures=target.model.config.architectures or [],
+                      verifier_architectures=model_architectures(target.model),
                       speculative_tokens=ecfg.speculative_tokens, sglang_aux_convention=ecfg.sglang_aux_convention)
     infos = check_export(out)
     counts = {"tensors": len(infos), "parameters": sum(_numel(t.shape) for t in infos if t.name not in ("d2t", "t2d"))}
