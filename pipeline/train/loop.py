@@ -204,14 +204,17 @@ class Trainer:
         self.train_dir, self.metrics, self.tau_probe = Path(train_dir), metrics, tau_probe
         self.schedule = StepSchedule(cfg.grad_accum, par.rank, par.world_size)
         self._epoch_cache: tuple[int, list] = (-1, [])
-        n_batches = len(self.batches_of_epoch(0))
-        self.steps_per_epoch = self.schedule.steps_per_epoch(n_batches)
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"the training split packs into {n_batches} micro-batches of <= "
-                             f"{cfg.micro_batch_tokens} tokens, fewer than one step's "
-                             f"{self.schedule.micro_per_step} (grad_accum x processes); lower "
-                             f"train.micro_batch_tokens or train.grad_accum, or dump more data")
-        self.total_steps = cfg.epochs * self.steps_per_epoch
+        # Packing differs a little between epochs (other buckets), so each epoch has its own step count;
+        # only the epochs that max_steps reaches are planned.
+        self.epoch_steps: list[int] = []
+        while len(self.epoch_steps) < cfg.epochs and (cfg.max_steps is None or sum(self.epoch_steps) < cfg.max_steps):
+            self.epoch_steps.append(self.schedule.steps_per_epoch(len(self.batches_of_epoch(len(self.epoch_steps)))))
+        if min(self.epoch_steps, default=0) == 0:
+            raise ValueError(f"the training split ({len(self.train_idx)} rows) packs into fewer micro-batches of <= "
+                             f"{cfg.micro_batch_tokens} tokens than one step takes ({self.schedule.micro_per_step} = "
+                             f"grad_accum x processes); lower train.micro_batch_tokens or train.grad_accum, or "
+                             f"dump more data")
+        self.total_steps = sum(self.epoch_steps)
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.val_batches = eval_batches(self.val_idx, lengths, cfg.micro_batch_tokens)[:cfg.val_max_batches]
@@ -225,6 +228,14 @@ class Trainer:
         self.step = 0
 
     # -- data --------------------------------------------------------------------------------------------------
+    def locate(self, step: int) -> tuple[int, int]:
+        """0-based global step -> (epoch, step within the epoch)."""
+        for epoch, n in enumerate(self.epoch_steps):
+            if step < n:
+                return epoch, step
+            step -= n
+        raise IndexError("step past the last epoch")
+
     def batches_of_epoch(self, epoch: int) -> list[list[int]]:
         if self._epoch_cache[0] != epoch:
             self._epoch_cache = (epoch, epoch_batches(self.train_idx, self.lengths, self.cfg.micro_batch_tokens,
@@ -241,7 +252,7 @@ class Trainer:
 
     # -- one optimizer step --------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
+        epoch, in_epoch = self.locate(self.step)
         batches = self.batches_of_epoch(epoch)
         lr = self.scheduler.get_last_lr()[0]
         sums, grad_norm, t0 = {}, None, time.perf_counter()
@@ -260,7 +271,8 @@ class Trainer:
         self.step += 1
         sums = reduce_stats(sums, self.par.reduce_sum)
         metrics = derive(sums, "train")
-        metrics.update({"lr": lr, "grad_norm": grad_norm, "epoch": self.step / self.steps_per_epoch,
+        metrics.update({"lr": lr, "grad_norm": grad_norm,
+                        "epoch": epoch + (in_epoch + 1) / self.epoch_steps[epoch],
                         "tokens_per_s": metrics.pop("train/tokens") / max(time.perf_counter() - t0, 1e-9)})
         return metrics
 
@@ -293,10 +305,14 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def trainer_state(self) -> dict:
-        epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
+        epoch, in_epoch = self.locate(self.step) if self.step < sum(self.epoch_steps) else (len(self.epoch_steps), 0)
+        cfg = self.cfg
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
-                "steps_per_epoch": self.steps_per_epoch, "micro_per_step": self.schedule.micro_per_step,
-                "world_size": self.par.world_size, "seed": self.cfg.seed, "identity": self.identity}
+                "world_size": self.par.world_size, "identity": self.identity,
+                # Everything the data order depends on: equal values give the same micro-batches per step.
+                "data_order": {"seed": cfg.seed, "micro_batch_tokens": cfg.micro_batch_tokens,
+                               "bucket_size": cfg.bucket_size, "max_length": cfg.max_length,
+                               "micro_per_step": self.schedule.micro_per_step}}
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.train_dir, self.par, self.model, self.optimizer, self.scheduler,
@@ -308,12 +324,14 @@ class Trainer:
         if path is None:
             return None
         state = ckpt.load_checkpoint(path, self.par, self.model, self.optimizer, self.scheduler)
-        for key in ("identity", "micro_per_step", "steps_per_epoch", "seed"):
-            if state[key] != self.trainer_state()[key]:
+        ours = self.trainer_state()
+        for key in ("identity", "data_order"):  # epochs/max_steps may change: training longer is allowed
+            if state[key] != ours[key]:
                 raise RuntimeError(
-                    f"{path}: saved with {key}={state[key]} but this run has {self.trainer_state()[key]}; it cannot "
-                    f"continue that run (same dump, head, seed, micro_batch_tokens and grad_accum x processes "
-                    f"needed). Train into a new experiment, or delete {self.train_dir} to start over")
+                    f"{path}: saved with {key}={state[key]} but this run has {ours[key]}; it cannot continue that "
+                    f"run (same dump, head and data order needed: seed, micro_batch_tokens, bucket_size, "
+                    f"max_length, grad_accum x processes). Train into a new experiment, or delete "
+                    f"{self.train_dir} to start over")
         self.step = int(state["step"])
         log.info("resumed from %s (step %d of %d)", path, self.step, self.total_steps)
         return path
@@ -325,8 +343,8 @@ class Trainer:
         cfg = self.cfg
         last_saved = self.step if self.resume() else None
         self.metrics.open(resume_step=self.step)
-        if self.step == 0:  # step-0 reference point of the curves
-            self.metrics.log(0, {**self.validate(), **self.real_tau()})
+        if self.step == 0:  # step-0 reference of the validation curves (no decode: an untrained head's tau is ~1)
+            self.metrics.log(0, self.validate())
         with ckpt.StopRequest() as stop:
             while self.step < self.total_steps:
                 metrics = self.train_step()

@@ -30,9 +30,10 @@ WANDB_ID_FILE = "wandb_id.txt"
 
 
 def add_stats(sums: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
-    """Accumulate an objective's statistics (fp64, so the sum is exact enough to compare runs)."""
+    """Accumulate an objective's statistics on the CPU in fp64 (exact enough to compare runs; one small copy
+    per micro-batch; reduce_stats moves them to the collective's device)."""
     for k, v in stats.items():
-        v = v.detach().double().reshape(-1)
+        v = v.detach().reshape(-1).to("cpu", torch.float64)
         sums[k] = sums[k] + v if k in sums else v
 
 

@@ -43,6 +43,16 @@ def _export_slurm_ranks() -> None:
             raise RuntimeError("multi-task Slurm launch: export MASTER_ADDR (the first node's hostname)")
 
 
+def deepspeed_config_file(cfg: TrainConfig) -> Optional[str]:
+    """train.deepspeed_config, or the file `accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml`
+    passes through the environment."""
+    if cfg.deepspeed_config:
+        return str(cfg.deepspeed_config)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    return None
+
+
 class Parallel:
     def __init__(self, cfg: TrainConfig):
         from accelerate import Accelerator, DeepSpeedPlugin, DistributedDataParallelKwargs
@@ -51,11 +61,13 @@ class Parallel:
         _export_slurm_ranks()
         cuda = torch.cuda.is_available()
         plugin = None
-        if cfg.deepspeed_config:
+        ds_config = deepspeed_config_file(cfg)
+        if ds_config:
             # Only GPUs: DeepSpeed's CPU backend needs oneCCL; CPU data parallelism is DDP over gloo.
             if not cuda:
                 raise ValueError("train.deepspeed_config needs CUDA GPUs; on CPU leave it unset (plain DDP over gloo)")
-            plugin = DeepSpeedPlugin(hf_ds_config=str(cfg.deepspeed_config), gradient_accumulation_steps=cfg.grad_accum,
+            # Accumulation and clipping come from the train config ("auto" in the JSON), as without DeepSpeed.
+            plugin = DeepSpeedPlugin(hf_ds_config=ds_config, gradient_accumulation_steps=cfg.grad_accum,
                                      gradient_clipping=cfg.grad_clip)
         self.accelerator = Accelerator(
             cpu=not cuda,
@@ -66,7 +78,6 @@ class Parallel:
             # construction; broadcasting them before every forward would cost a vocab x hidden copy.
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
-        # Also true under `accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml` (plugin from env).
         self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
 
     # -- topology --------------------------------------------------------------------------------------------

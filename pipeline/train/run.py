@@ -89,8 +89,8 @@ def train(cfg, par: Parallel) -> dict:
                          run_name=f"{cfg.name}-{hcfg.name}")
     trainer = Trainer(tcfg, par, objective, reader, train_idx, val_idx, lengths, train_dir, metrics, tau_probe,
                       identity)
-    log.info("training %s (%s): %d steps (%d per epoch, %d micro-batches x %d processes each), %s on %s",
-             hcfg.name, hcfg.kind, trainer.total_steps, trainer.steps_per_epoch, tcfg.grad_accum, par.world_size,
+    log.info("training %s (%s): %d steps (epochs of %s steps; %d micro-batches x %d processes each), %s on %s",
+             hcfg.name, hcfg.kind, trainer.total_steps, trainer.epoch_steps, tcfg.grad_accum, par.world_size,
              par.mixed_precision, par.device)
     try:
         final_metrics = trainer.fit()
@@ -139,7 +139,7 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, dump_dir: Path, target,
     write_manifest(
         train_dir, "train", config={"train": cfg.train, "head": cfg.head, "target": cfg.target, "dump": cfg.dump},
         counts={"train_rows": len(trainer.train_idx), "val_rows": len(trainer.val_idx), "steps": trainer.step,
-                "steps_per_epoch": trainer.steps_per_epoch, "world_size": trainer.par.world_size, **vocab_info},
+                "epoch_steps": trainer.epoch_steps, "world_size": trainer.par.world_size, **vocab_info},
         timings={"total_s": time.perf_counter() - t0}, inputs=[dump_dir],
         target=target.fingerprint, head_config=head.config.to_dict(), final_metrics=final_metrics)
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
