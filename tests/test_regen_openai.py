@@ -81,7 +81,7 @@ def _cfg(tmp_path, base_url, rows, name, **openai) -> EagletConfig:
 
 
 @pytest.mark.slow
-def test_openai_backend_regenerates_and_records_failures(tmp_path, llama_server):
+def test_openai_backend_regenerates_and_records_failures(tmp_path, llama_server, smollm2):
     rows = [
         {"id": "cats", "conversations": [{"from": "human", "value": "Why do cats purr?"},
                                          {"from": "gpt", "value": "ORIGINAL"}]},
@@ -108,7 +108,11 @@ def test_openai_backend_regenerates_and_records_failures(tmp_path, llama_server)
     assert len(answers) == 4 and all(a.strip() for a in answers) and "ORIGINAL" not in answers
     assert 4 <= manifest["counts"]["tokens_generated"] <= 4 * 12
     assert manifest["generation"]["served_model"].endswith(".gguf")
-    assert manifest["target"]["weights_digest"] is None and manifest["target"]["tokenizer_digest"]
+    # The served model's fingerprint: the local target's architecture and tokenizer, weights unknown.
+    fp = manifest["target"]
+    assert fp["weights_digest"] is None and fp["served"]["base_url"] == llama_server
+    for key in ("config_digest", "tokenizer_digest"):
+        assert fp[key] == smollm2.fingerprint[key]
 
     # At temperature 0 the server is deterministic: a second run answers identically.
     again = _cfg(tmp_path, llama_server, rows, "served-again")

@@ -103,9 +103,11 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
     from pipeline.regen.openai_backend import OpenAIBackend
     from pipeline.target import load_tokenizer
 
-    fingerprint = served_fingerprint(cfg)
-    backend = OpenAIBackend(rcfg.openai, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p,
-                            tokenizer=load_tokenizer(cfg.target))
+    tokenizer = load_tokenizer(cfg.target)
+    if tokenizer.pad_token_id is None:  # as load_target does, so both backends digest the same tokenizer
+        tokenizer.pad_token = tokenizer.eos_token
+    fingerprint = served_fingerprint(cfg, tokenizer)
+    backend = OpenAIBackend(rcfg.openai, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer)
     generation.update(served_model=backend.model, base_url=backend.base_url)
     return backend, fingerprint, generation
 
@@ -118,19 +120,19 @@ def _rank_device(cfg: EagletConfig, info: RankInfo):
     return cfg.target
 
 
-def served_fingerprint(cfg: EagletConfig) -> dict:
+def served_fingerprint(cfg: EagletConfig, tokenizer) -> dict:
     """`compute_fingerprint`'s fields for the configured target (what the served model must be), from its config
     and tokenizer only: the weights that generate are on the server, so `weights_digest` is None rather than a
     digest of local weights that did not generate."""
     from transformers import AutoConfig
 
-    from pipeline.target import config_summary, load_tokenizer, materialize, tokenizer_digest
+    from pipeline.target import config_summary, materialize, tokenizer_digest
 
     location, source = materialize(cfg.target)
     summary = config_summary(AutoConfig.from_pretrained(location, revision=cfg.target.revision))
     return {"name": cfg.target.name, "source": source, "hub_id": cfg.target.hub_id, "config": summary,
             "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
-            "tokenizer_digest": tokenizer_digest(load_tokenizer(cfg.target)), "weights_digest": None,
+            "tokenizer_digest": tokenizer_digest(tokenizer), "weights_digest": None,
             "served": {"base_url": cfg.regen.openai.base_url, "model": cfg.regen.openai.model}}
 
 
