@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shlex
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ def main(cfg) -> Path:
                       verifier_architectures=model_architectures(target.model),
                       speculative_tokens=ecfg.speculative_tokens, sglang_aux_convention=ecfg.sglang_aux_convention)
     infos = check_export(out)
-    counts = {"tensors": len(infos), "parameters": sum(_numel(t.shape) for t in infos if t.name not in ("d2t", "t2d"))}
+    counts = {"tensors": len(infos), "parameters": sum(math.prod(t.shape) for t in infos if t.name not in ("d2t", "t2d"))}
     if ecfg.verify:
         print(tensor_table(infos))
         loaded = load_export(out, target.model, device=torch.device("cpu"), dtype=torch.float32,
@@ -102,10 +103,3 @@ def serve_instructions(out: Path, fmt: str, verifier: str, layer_ids, num_layers
                      else "serve with vLLM:   re-export with export.format=vllm (custom aux layers are numbered "
                           "per framework)")
     return "\n".join(lines)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
