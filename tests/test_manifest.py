@@ -41,3 +41,11 @@ def test_target_mismatch_names_both_sides(tmp_path):
         check_target(fp, {"target": other}, tmp_path / "manifest.json")
     msg = str(e.value)
     assert "tokenizer digest mismatch" in msg and "current target a (/a)" in msg and "target b, /b" in msg
+
+
+def test_served_input_without_weights_digest_checks_config_and_tokenizer(tmp_path):
+    fp = {"name": "a", "source": "/a", "config_digest": "1", "tokenizer_digest": "2", "weights_digest": "3"}
+    served = dict(fp, source="http://127.0.0.1:8000/v1", weights_digest=None)
+    check_target(fp, {"target": served}, tmp_path / "manifest.json")
+    with pytest.raises(ManifestError, match="tokenizer digest mismatch"):
+        check_target(fp, {"target": dict(served, tokenizer_digest="X")}, tmp_path / "manifest.json")
