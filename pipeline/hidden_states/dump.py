@@ -55,10 +55,11 @@ class DumpSummary:
         return self.tokens_written / self.seconds if self.seconds > 0 else 0.0
 
     def __str__(self) -> str:
+        run = (f"this run wrote {self.tokens_written} tokens in {self.seconds:.1f} s ({self.tokens_per_s:.0f} tokens/s)"
+               if self.tokens_written else "this run had nothing left to write")
         return (f"dump: {self.rows} rows, {self.tokens} tokens in {self.shards} shards, {self.bytes / 2**20:.1f} MiB "
                 f"({self.bytes_per_token:.1f} B/token, raw {self.raw_bytes_per_token} B/token, "
-                f"x{self.bytes_per_token / self.raw_bytes_per_token:.4f}); this run wrote "
-                f"{self.tokens_written} tokens in {self.seconds:.1f} s ({self.tokens_per_s:.0f} tokens/s)")
+                f"x{self.bytes_per_token / self.raw_bytes_per_token:.4f}); {run}")
 
 
 def state_layout(target, cfg: DumpConfig) -> StateLayout:
