@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 import hydra
@@ -75,6 +76,17 @@ def main(dcfg: DictConfig) -> None:
     except StageUnavailable as e:
         print(f"eaglet: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:
+        if not is_user_error(e) or os.environ.get("EAGLET_TRACEBACK"):
+            raise
+        # Errors eaglet raises on purpose (bad input, mismatched manifests, refused exports) already say
+        # what and where; a traceback would bury that. EAGLET_TRACEBACK=1 shows it anyway.
+        print(f"eaglet: {cfg.stage}: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def is_user_error(e: BaseException) -> bool:
+    return type(e).__module__.startswith("pipeline.") or isinstance(e, FileNotFoundError)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,13 @@ def test_experiment_name_comes_from_the_group_choice():
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose(config_name="config", return_hydra_config=True)
         assert OmegaConf.select(cfg, "hydra.runtime.choices.experiment") == "demo"
+
+
+def test_cli_user_errors_are_one_clear_message(tmp_path):
+    """A stage refused for a missing input says so without a traceback."""
+    out = subprocess.run([sys.executable, "-m", "pipeline.run", "stage=train", f"output_root={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("eaglet: train: ManifestError: ") and "no manifest" in last
+    assert "Traceback" not in out.stderr
