@@ -6,7 +6,8 @@ path: checkpoint, exit, requeue itself), then requeued by `scontrol requeue`; it
 chain finishes. A Hydra sweep through hydra-submitit-launcher (`hydra/launcher=slurm`) trains two heads as two
 Slurm jobs.
 
-Needs Debian's slurm-wlm and munge, and root. Skipped without them, except under CI=true where it must run."""
+The Slurm tests need Debian's slurm-wlm and munge, and root: skipped without them, except under CI=true
+where they fail instead. jobs/run_all.sh, the local equivalent of the chain, runs without Slurm."""
 from __future__ import annotations
 
 import json
@@ -26,10 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "jobs"
 STAGE_SCRIPTS = ("regen", "dump", "train", "eval", "export")
 
-_missing = missing_binaries()
-if (_missing or os.geteuid() != 0) and os.environ.get("CI", "").lower() != "true":
-    pytest.skip(f"local Slurm needs root and {', '.join(_missing) or 'nothing else'} "
-                "(apt-get install slurm-wlm munge); under CI=true this test fails instead", allow_module_level=True)
 
 # Every job gets one CPU per task, no GPU, and a time limit that turns a hang into a failure.
 SBATCH_COMMON = ["--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]
@@ -39,6 +36,10 @@ SAVE_EVERY = 20
 
 @pytest.fixture(scope="module")
 def cluster():
+    missing = missing_binaries()
+    if (missing or os.geteuid() != 0) and os.environ.get("CI", "").lower() != "true":
+        pytest.skip(f"a local Slurm needs root and {', '.join(missing) or 'nothing else'} (apt-get install "
+                    "slurm-wlm munge); under CI=true these tests fail instead of skipping")
     with LocalSlurmCluster(nodes=2) as c:
         yield c
 
@@ -86,6 +87,23 @@ def test_job_scripts_are_thin(stage):
     assert re.search(rf"(python|torchrun .*) -m pipeline\.run stage={stage} \"\$@\"$", command)
     # No hyperparameters in shell: the only Hydra override a script sets is its stage.
     assert re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+=\S+", command) == []
+
+
+def test_run_all_locally_on_two_ranks(tmp_path, experiment):
+    """jobs/run_all.sh, no Slurm: every stage in turn, regen/dump/train on two torchrun ranks."""
+    overrides = [o.replace(str(experiment["root"] / "outputs"), str(tmp_path)) for o in experiment["overrides"]
+                 if not o.startswith("train.max_steps=")]
+    env = {k: v for k, v in os.environ.items() if not re.match(r"SLURM_|RANK$|WORLD_SIZE$|LOCAL_RANK$|MASTER_", k)}
+    env.update(NPROC="2", OMP_NUM_THREADS="1")
+    proc = subprocess.run([str(JOBS / "run_all.sh"), *overrides, "train.max_steps=4"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "slurm"
+    for stage_dir in ("regen", "dump", "train/eagle3"):
+        assert (out / stage_dir / "manifest.json").is_file(), stage_dir
+    assert list((out / "eval" / "eagle3").glob("*/summary.json"))
+    assert list((out / "export" / "eagle3").glob("*/model.safetensors"))
+    assert json.loads((out / "train" / "eagle3" / "manifest.json").read_text())["counts"]["world_size"] == 2
 
 
 def _checkpoints(train_dir: Path) -> list[int]:
