@@ -24,6 +24,8 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     name: str = "demo"
+    # Where the data sets live; source paths in conf/data/*.yaml are written as ${data.root}/...
+    root: str = "../shared/data"
     # Empty list: the demo prompts shipped inside the package (pipeline/data/demo/prompts.jsonl).
     sources: list = field(default_factory=list)
     on_bad_record: str = "skip"  # skip | fail
