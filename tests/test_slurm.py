@@ -229,3 +229,20 @@ def test_hydra_submitit_sweep_trains_two_heads(cluster, experiment, chain):
     for kind in ("eagle1", "eagle3"):
         manifest = json.loads((experiment["out"] / "train" / f"sweep_{kind}" / "manifest.json").read_text())
         assert manifest["counts"]["steps"] == 6 and manifest["config"]["head"]["kind"] == kind
+
+
+def test_a_failed_stage_cancels_the_rest_of_the_chain(cluster, experiment):
+    """export of a head that was never trained fails; the eval job queued behind it is cancelled, not left
+    pending forever."""
+    overrides = [o.replace("name=slurm", "name=never_trained") for o in experiment["overrides"]]
+    env = dict(cluster.env, STAGES="export eval")
+    proc = subprocess.run([str(JOBS / "submit_chain.sh"), *experiment["sbatch"], "--", *overrides], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    ids = dict(line.split() for line in proc.stdout.splitlines())
+    final = cluster.wait(ids.values(), timeout=120)
+    export, eval_ = final[ids["export"]], final[ids["eval"]]
+    assert export["JobState"] == "FAILED" and export["ExitCode"] != "0:0"
+    assert eval_["JobState"] == "CANCELLED" and eval_["Reason"] == "DependencyNeverSatisfied"
+    log = (experiment["root"] / "logs" / f"eaglet-export-{ids['export']}.out").read_text()
+    assert "never_trained" in log
