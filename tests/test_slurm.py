@@ -222,10 +222,13 @@ def test_hydra_submitit_sweep_trains_two_heads(cluster, experiment, chain):
            "head.name=sweep_${head.kind}", "train.max_steps=6", *overrides, *launcher]
     proc = subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sweep = [r for r in map(parse_record, cluster.run("scontrol", "show", "job", "-o").stdout.splitlines())
-             if r.get("JobName") == "eaglet-sweep"]
-    assert len(sweep) == 2 and {r["ArrayTaskId"] for r in sweep} == {"0", "1"}, sweep
-    assert all(r["JobState"] == "COMPLETED" for r in sweep)
+    records = map(parse_record, cluster.run("scontrol", "show", "job", "-o").stdout.splitlines())
+    arrays = {r["ArrayJobId"] for r in records if r.get("JobName") == "eaglet-sweep"}
+    assert len(arrays) == 1, arrays
+    # submitit returns once both results are written; the tasks may still be COMPLETING.
+    sweep = list(cluster.wait(arrays, timeout=60).values())
+    assert {r["ArrayTaskId"] for r in sweep} == {"0", "1"}, sweep
+    assert all(r["JobState"] == "COMPLETED" for r in sweep), sweep
     for kind in ("eagle1", "eagle3"):
         manifest = json.loads((experiment["out"] / "train" / f"sweep_{kind}" / "manifest.json").read_text())
         assert manifest["counts"]["steps"] == 6 and manifest["config"]["head"]["kind"] == kind
