@@ -209,6 +209,21 @@ class DraftHeadMixin:
     def copy_target_embeddings(self, weight: torch.Tensor) -> None:
         self.embed_tokens.weight.copy_(weight)
 
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B,T,H] (EAGLE-3: fused target states or a previous out_hidden; EAGLE-1: the feature of
+        tokens <= t), input_ids [B,T] (the token after the one whose state is hidden[t]), position_ids
+        [B,T] -> (out_hidden [B,T,H]: EAGLE-3's pre-norm output fed back as the next hidden, EAGLE-1's
+        predicted next feature; logits [B,T,V_draft])."""
+        out = self.forward_hidden(hidden, input_ids, position_ids, cache, attn_mask)
+        return out, self.logits(out)
+
 
 def build_draft_head(config: DraftHeadConfig) -> nn.Module:
     """The head class for `config.kind` (imports here: the head modules import this one)."""

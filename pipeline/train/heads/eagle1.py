@@ -75,19 +75,6 @@ class Eagle1DraftHead(DraftHeadMixin, nn.Module):
         attend = partial(cached_attention, cache=cache, layer_idx=0, attn_mask=attn_mask)
         return self.layers[0](x, cos, sin, attend)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Optional[KVCache] = None,
-        attn_mask: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B,T,H] (feature of tokens <= t), input_ids [B,T] (token t+1), position_ids [B,T]
-        -> (predicted feature of tokens <= t+1 [B,T,H], logits [B,T,V])."""
-        out = self.forward_hidden(hidden, input_ids, position_ids, cache, attn_mask)
-        return out, self.logits(out)
-
     @torch.no_grad()
     def copy_from_target(self, target_model: nn.Module) -> None:
         """Copy the frozen embedding and lm_head from an HF causal LM."""

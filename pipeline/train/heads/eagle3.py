@@ -82,20 +82,6 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
         attend = partial(cached_attention, cache=cache, layer_idx=0, attn_mask=attn_mask)
         return self.layer(hidden, input_ids, position_ids, attend)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Optional[KVCache] = None,
-        attn_mask: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B,T,H] (fused target states or a previous out_hidden), input_ids [B,T] (the token after
-        the one whose state is hidden[t]), position_ids [B,T] -> (out_hidden [B,T,H] pre-norm, fed back as
-        the next hidden; logits [B,T,V_draft])."""
-        out = self.forward_hidden(hidden, input_ids, position_ids, cache, attn_mask)
-        return out, self.logits(out)
-
     @torch.no_grad()
     def copy_from_target(self, target_model: nn.Module) -> None:
         """Copy the frozen embedding from an HF causal LM."""
