@@ -9,12 +9,16 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import DynamicCache
 
 from conftest import build_tiny_llama
 from pipeline.eval import verify
-from pipeline.eval.decoder import generate
+from pipeline.eval.decoder import generate, target_forward
+from pipeline.eval.drafter import EagleDrafter
 from pipeline.eval.tree import DraftTree, TreeSpec, build_draft_tree
 from pipeline.eval.verify import logits_to_probs
+from pipeline.train.heads.common import build_draft_head
+from pipeline.train.heads.config import DraftHeadConfig
 
 V = 32
 T = 0.5  # moderately peaked: a few tokens share most of the mass, so siblings are rejected often
@@ -138,3 +142,33 @@ def test_target_distribution_matches_hf_warpers(top_p):
     if top_p < 1.0:
         warped = TopPLogitsWarper(top_p)(None, warped)
     torch.testing.assert_close(logits_to_probs(logits, T, top_p), torch.softmax(warped, dim=-1))
+
+
+def test_eagle_drafter_sampled_chain_and_seeded_reproducibility():
+    """At temperature > 0 a chain is sampled from the head's softmax at T, which the tree records as the
+    proposal; generation is reproducible for a fixed seed, in chain and tree mode alike."""
+    model = build_tiny_llama(V, seed=5, num_layers=2)
+    cfg = DraftHeadConfig.from_target(model.config, "eagle3", draft_vocab_size=24, aux_layer_ids=[0, 1, 1])
+    torch.manual_seed(0)
+    head = build_draft_head(cfg).eval()
+    head.copy_from_target(model)
+    head.set_draft_vocab(torch.full((24,), 8), torch.arange(V) >= 8)  # draft id i -> target id 8 + i
+    drafter = EagleDrafter(head)
+    prompt = torch.tensor(PROMPT)
+    with torch.no_grad():
+        _, states = target_forward(model, prompt[None], DynamicCache(config=model.config), drafter.feature_layers)
+    drafter.start(prompt, states, next_token=3)
+    tree = drafter.draft(CHAIN, temperature=0.7, generator=torch.Generator().manual_seed(0))
+    assert tree.parents == [-1, 0, 1, 2]
+    expected_root = torch.zeros(V)
+    expected_root[8:] = torch.softmax(drafter.root_logits / 0.7, dim=-1)
+    torch.testing.assert_close(tree.proposal[0], expected_root)
+    for node in range(1, len(tree)):
+        assert tree.proposal[tree.parents[node], tree.token_list[node]] > 0
+        assert tree.proposal[tree.parents[node]].sum().item() == pytest.approx(1.0, abs=1e-5)
+
+    for spec in (CHAIN, TREE):
+        runs = [generate(model, drafter, prompt, 24, temperature=0.8, top_k=spec.top_k, depth=spec.depth,
+                         total_tokens=spec.total_tokens, eos_token_ids=(), seed=seed).tokens for seed in (7, 7, 8)]
+        assert runs[0] == runs[1] and len(runs[0]) == 24
+        assert runs[0] != runs[2]
