@@ -138,11 +138,12 @@ def keep_accepted_kv(cache: DynamicCache, prefix_len: int, path: list[int]) -> N
     """After a tree forward the cache holds prefix + all N tree nodes; keep prefix + the accepted path's
     nodes, moved into consecutive slots (the path is increasing, so the copy never overwrites a source
     before reading it; the gather makes a copy anyway)."""
-    idx = torch.tensor(path)
     end = prefix_len + len(path)
+    in_place = path == list(range(len(path)))  # root, first child, its first child, ...: nothing to move
+    src = prefix_len + torch.tensor(path)
     for layer in cache.layers:
-        if path != list(range(len(path))):  # a contiguous path (root, first child, ...) is already in place
-            src = (prefix_len + idx).to(layer.keys.device)
+        if not in_place:
+            src = src.to(layer.keys.device)
             layer.keys[..., prefix_len:end, :] = layer.keys[..., src, :]
             layer.values[..., prefix_len:end, :] = layer.values[..., src, :]
         layer.keys = layer.keys[..., :end, :]

@@ -18,6 +18,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from pipeline.train.heads.common import KVCache
+
 from .tree import DraftTree, TreeSpec, build_draft_tree
 
 
@@ -46,10 +48,7 @@ class EagleDrafter:
     states; each `draft` appends the speculative frontier entries on top and crops them away at the end."""
 
     def __init__(self, head: torch.nn.Module):
-        from pipeline.train.heads.common import KVCache
-
         self.head = head.eval()
-        self._new_cache = KVCache
         c = head.config
         # EAGLE-3 fuses the residual stream entering the aux layers; EAGLE-1 reads the final feature.
         self.feature_layers = tuple(c.aux_layer_ids) if c.kind == "eagle3" else (-1,)
@@ -61,7 +60,7 @@ class EagleDrafter:
 
     @torch.no_grad()
     def start(self, input_ids: torch.Tensor, states: Optional[torch.Tensor], next_token: int) -> None:
-        self.cache = self._new_cache(1)
+        self.cache = KVCache(1)
         next_tokens = torch.cat([input_ids[1:], input_ids.new_tensor([next_token])])
         self.accept(states, next_tokens)
 
@@ -92,19 +91,22 @@ class EagleDrafter:
         n_seen = self.cache.length
         sampled = _sampled_chain(spec, temperature, generator)
         temp = temperature if sampled is not None else 0.0
-        state = {"hidden": self.root_hidden, "mask": torch.zeros(1, 0, dtype=torch.bool, device=device), "round": 0}
+        # Per expansion round: the head outputs the next frontier continues, and each node's visibility row
+        # over the speculative cache entries (one entry per frontier node per round, in slot order).
+        prev_hidden, prev_mask, round_ = self.root_hidden, torch.zeros(1, 0, dtype=torch.bool, device=device), 0
 
         def expand(tokens: torch.Tensor, parent_slot: torch.Tensor) -> torch.Tensor:
+            nonlocal prev_hidden, prev_mask, round_
             f = len(tokens)
-            hidden = state["hidden"][parent_slot]  # [F, H]: each node continues its parent's output
+            hidden = prev_hidden[parent_slot]  # [F, H]: each node continues its parent's output
             # A frontier node sees the accepted prefix, its ancestors among the speculative entries, itself.
-            spec_mask = torch.cat([state["mask"][parent_slot], torch.eye(f, dtype=torch.bool, device=device)], 1)
-            mask = torch.cat([torch.ones(f, n_seen, dtype=torch.bool, device=device), spec_mask], 1)
+            spec_mask = torch.cat([prev_mask[parent_slot], torch.eye(f, dtype=torch.bool, device=device)], dim=1)
+            mask = torch.cat([torch.ones(f, n_seen, dtype=torch.bool, device=device), spec_mask], dim=1)
             # Pair (state of token t, token t+1) sits at position t: depth-d nodes at n_seen + d - 1.
-            positions = torch.full((1, f), n_seen + state["round"], device=device)
+            positions = torch.full((1, f), n_seen + round_, device=device)
             out_hidden, logits = self.head(
                 hidden[None], tokens[None], positions, cache=self.cache, attn_mask=mask[None, None])
-            state.update(hidden=out_hidden[0], mask=spec_mask, round=state["round"] + 1)
+            prev_hidden, prev_mask, round_ = out_hidden[0], spec_mask, round_ + 1
             return self._target_logprobs(logits[0], temp)
 
         root_logprobs = self._target_logprobs(self.root_logits, temp)
