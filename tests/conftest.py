@@ -83,6 +83,16 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, num_layers: int = 8):
     return model.eval()
 
 
+@pytest.fixture
+def single_thread():
+    """Batch-1 decoding is overhead-bound on CPU: a second thread only adds synchronization (and slows a
+    neighbouring job). Modules opt in with `pytestmark = pytest.mark.usefixtures("single_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()

@@ -45,13 +45,7 @@ EAGLE1_TENSORS = {f"layers.0.{n}" for n in ATTN + MLP + ["post_attention_layerno
     "fc.weight", "embed_tokens.weight"}
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Batch-1 decoding of tiny models is overhead-bound; a second thread only adds synchronization."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def make_head(target, kind: str = "eagle3", aux_layer_ids=None, fc_bias: bool = False, seed: int = 0):

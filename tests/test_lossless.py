@@ -17,13 +17,7 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Batch-1 decoding is overhead-bound on CPU; a second thread only adds synchronization."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def chat_ids(tokenizer, question: str) -> torch.Tensor:

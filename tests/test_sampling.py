@@ -27,12 +27,7 @@ TRIALS = 2000
 NOISE = 0.5  # draft logits = target logits / T + NOISE * fixed Gaussian noise: q ranks tokens roughly like p
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class TableDrafter:

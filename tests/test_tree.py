@@ -15,13 +15,7 @@ from pipeline.train.heads.config import DraftHeadConfig
 V = 50
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Batch-1 decoding of tiny models is overhead-bound; a second thread only adds synchronization."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def path_logprobs(path: tuple[int, ...]) -> torch.Tensor:

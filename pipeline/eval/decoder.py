@@ -215,8 +215,11 @@ def generate(
             path, bonus = verify_sampling(tree, logits, temperature, gen, top_p)
         keep_accepted_kv(cache, prefix, path)
         new_tokens = [tree.token_list[i] for i in path[1:]] + [bonus]
-        accept_lengths.append(len(path) - 1)
+        emitted_before = len(out)
         done = _emit(out, new_tokens, max_new_tokens, eos)
+        # Count what was emitted: at EOS or max_new_tokens the tail of an accepted path is dropped, and
+        # counting it would inflate tau on those last steps.
+        accept_lengths.append(min(len(path), len(out) - emitted_before) - 1)
         if not done:
             accepted_states = None if states is None else states[torch.tensor(path, device=device)]
             with clock("draft"):
