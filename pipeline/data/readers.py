@@ -38,7 +38,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pipeline.data.bad_records import BadRecord, BadRecordError, BadRecordReport, Location
 from pipeline.data.config import DataConfig, SourceConfig
@@ -245,13 +245,19 @@ def _turn(t: Any, what: str) -> Mapping:
     return t
 
 
-def _sharegpt(rec: Mapping) -> tuple[list[dict], dict]:
+def _turns(rec: Mapping, key: str, role_key: str, content_key: str,
+           content: Callable[[Any, str], str]) -> list[dict]:
+    """A list of turn objects under `key` -> canonical messages, each field error naming its turn."""
     msgs = []
-    for i, t in enumerate(_list(rec, "conversations")):
-        t = _turn(t, f"conversations[{i}]")
-        role = _role(t.get("from"), f"conversations[{i}].from")
-        msgs.append({"role": role, "content": _text(t.get("value"), f"conversations[{i}].value")})
-    return msgs, {}
+    for i, t in enumerate(_list(rec, key)):
+        t = _turn(t, f"{key}[{i}]")
+        role = _role(t.get(role_key), f"{key}[{i}].{role_key}")
+        msgs.append({"role": role, "content": content(t.get(content_key), f"{key}[{i}].{content_key}")})
+    return msgs
+
+
+def _sharegpt(rec: Mapping) -> tuple[list[dict], dict]:
+    return _turns(rec, "conversations", "from", "value", _text), {}
 
 
 def _openai_content(content: Any, what: str) -> str:
@@ -266,12 +272,7 @@ def _openai_content(content: Any, what: str) -> str:
 
 
 def _openai(rec: Mapping) -> tuple[list[dict], dict]:
-    msgs = []
-    for i, m in enumerate(_list(rec, "messages")):
-        m = _turn(m, f"messages[{i}]")
-        role = _role(m.get("role"), f"messages[{i}].role")
-        msgs.append({"role": role, "content": _openai_content(m.get("content"), f"messages[{i}].content")})
-    return msgs, {}
+    return _turns(rec, "messages", "role", "content", _openai_content), {}
 
 
 def _alpaca(rec: Mapping) -> tuple[list[dict], dict]:
