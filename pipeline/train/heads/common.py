@@ -185,6 +185,14 @@ class DraftHeadMixin:
     config: DraftHeadConfig
     embed_tokens: nn.Embedding
 
+    def _init_head(self, config: DraftHeadConfig, kind: str) -> None:
+        """Config check and the frozen target embedding, first in both heads (keeps state_dict order)."""
+        if config.kind != kind:
+            raise ValueError(f"{type(self).__name__} needs kind={kind!r}, got {config.kind!r}")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+
     def _init_vocab_buffers(self) -> None:
         c = self.config
         # Identity-prefix default (draft id i = target id i) until `set_draft_vocab` installs the real one.

@@ -39,15 +39,11 @@ class Eagle1DecoderLayer(nn.Module):
 class Eagle1DraftHead(DraftHeadMixin, nn.Module):
     def __init__(self, config: DraftHeadConfig):
         super().__init__()
-        if config.kind != "eagle1":
-            raise ValueError(f"Eagle1DraftHead needs kind='eagle1', got {config.kind!r}")
-        self.config = config
+        self._init_head(config, "eagle1")
         h = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
         self.layers = nn.ModuleList([Eagle1DecoderLayer(config)])
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
-        self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
         self._init_vocab_buffers()

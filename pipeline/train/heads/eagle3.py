@@ -41,12 +41,8 @@ class Eagle3DecoderLayer(nn.Module):
 class Eagle3DraftHead(DraftHeadMixin, nn.Module):
     def __init__(self, config: DraftHeadConfig):
         super().__init__()
-        if config.kind != "eagle3":
-            raise ValueError(f"Eagle3DraftHead needs kind='eagle3', got {config.kind!r}")
-        self.config = config
+        self._init_head(config, "eagle3")
         h = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
