@@ -284,6 +284,26 @@ def test_eagle1_loss_matches_plain_formula():
     assert not torch.allclose(noisy["loss"], out["loss"])
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 3, 1024])
+def test_chunked_head_soft_cross_entropy_matches_autograd_reference(chunk_rows):
+    """The fused, chunked token loss (gradient formed in forward) equals plain autograd through
+    soft-CE(pred @ W^T, softmax(target @ W^T)): value, agreement count and d/d pred."""
+    from pipeline.train.loss import head_soft_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    pred = torch.randn(7, H, generator=g, requires_grad=True)
+    target, weight = torch.randn(7, H, generator=g), torch.randn(VOCAB, H, generator=g)
+    loss, correct = head_soft_cross_entropy(pred, target, weight, chunk_rows)
+    (2.5 * loss).backward()
+    ref_pred = pred.detach().clone().requires_grad_(True)
+    z, zt = ref_pred @ weight.T, target @ weight.T
+    ref = -(zt.softmax(-1) * z.log_softmax(-1)).sum()
+    (2.5 * ref).backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(pred.grad, ref_pred.grad)
+    assert int(correct) == int((z.argmax(-1) == zt.argmax(-1)).sum())
+
+
 def test_uniform_noise_amplitude():
     x = torch.zeros(4000)
     noise = add_uniform_noise(x, 0.2, torch.Generator().manual_seed(0))

@@ -226,3 +226,20 @@ def test_round_loss_masking_rules():
 def test_simulated_tau():
     assert simulated_tau([0.8, 0.5, 0.0]) == pytest.approx(1 + 0.8 + 0.4)
     assert simulated_tau(torch.tensor([1.0, 1.0])) == pytest.approx(3.0)
+
+
+def test_target_distribution_on_masked_rows_equals_full():
+    """The teacher computed on the loss rows only (what TTT uses) equals the full computation there."""
+    from pipeline.train.loss import target_distribution
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 9, 16, generator=g), torch.randn(50, 16, generator=g)
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[::3] = True
+    mask = torch.rand(2, 9, generator=g) > 0.4
+    full_p, full_top1 = target_distribution(hidden, weight, t2d, chunk_rows=4)
+    p, top1 = target_distribution(hidden, weight, t2d, chunk_rows=4, rows_mask=mask)
+    torch.testing.assert_close(p[mask], full_p[mask])
+    assert torch.equal(top1[mask], full_top1[mask])
+    assert torch.allclose(full_p.sum(-1), torch.ones(2, 9))
+    assert (p[~mask] == 0).all() and (top1[~mask] == 0).all()

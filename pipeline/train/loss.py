@@ -67,25 +67,33 @@ def align_batch(
 
 @torch.no_grad()
 def target_distribution(
-    target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor, chunk_rows: int = 2048
+    target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor, chunk_rows: int = 2048,
+    rows_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Target next-token distribution restricted to the draft vocabulary.
 
     target_hidden [B,T,H], lm_head_weight [V,H] (frozen target head), t2d bool [V]
     -> probs [B,T,V_draft] fp32 (softmax over the draft-vocab logits, i.e. renormalized) and
        top1 [B,T] target ids of the argmax over the FULL vocabulary. Chunked over rows so the full-vocab
-       logits never exist for the whole batch at once."""
+       logits never exist for the whole batch at once. With rows_mask [B,T] bool only those rows are
+       computed (the others stay 0): the full-vocab teacher is a large share of a step, and prompt rows
+       never enter a loss."""
     b, t, h = target_hidden.shape
     rows = target_hidden.reshape(b * t, h)
-    probs = torch.empty(b * t, int(t2d.sum()), dtype=torch.float32, device=rows.device)
-    top1 = torch.empty(b * t, dtype=torch.long, device=rows.device)
+    index = None if rows_mask is None else rows_mask.reshape(-1).nonzero().squeeze(1)
+    if index is not None:
+        rows = rows.index_select(0, index)
+    alloc = torch.empty if index is None else torch.zeros
+    probs = alloc(b * t, int(t2d.sum()), dtype=torch.float32, device=rows.device)
+    top1 = alloc(b * t, dtype=torch.long, device=rows.device)
     # The teacher in fp32 even under bf16 autocast: its argmax decides which positions count.
     with torch.autocast(rows.device.type, enabled=False):
         w = lm_head_weight.float()
-        for s in range(0, b * t, chunk_rows):
+        for s in range(0, rows.shape[0], chunk_rows):
             logits = rows[s : s + chunk_rows].float() @ w.T  # [n,V]
-            top1[s : s + chunk_rows] = logits.argmax(-1)
-            probs[s : s + chunk_rows] = logits[:, t2d].softmax(-1)
+            dst = slice(s, s + chunk_rows) if index is None else index[s : s + chunk_rows]
+            top1[dst] = logits.argmax(-1)
+            probs[dst] = logits[:, t2d].softmax(-1)
     return probs.view(b, t, -1), top1.view(b, t)
 
 
@@ -169,6 +177,44 @@ def add_uniform_noise(x: torch.Tensor, scale: float, generator: Optional[torch.G
     return x + (noise * scale).to(x.dtype)
 
 
+class _HeadSoftCrossEntropy(torch.autograd.Function):
+    """sum over rows of soft-CE(pred @ W^T, softmax(target @ W^T)) through a FROZEN head W [V,H], in
+    row chunks, fp32. The gradient w.r.t. pred, (softmax(z) - p) @ W, is formed chunk by chunk in forward,
+    so no [N, V] tensor outlives its chunk: peak memory O(chunk x V) instead of ~4 x N x V (logits, teacher
+    logits, teacher probs, gradient) with the same matmul count. Also returns the top-1 agreement count."""
+
+    @staticmethod
+    def forward(ctx, pred, target, weight, chunk_rows):
+        w = weight.float()
+        grad = torch.empty(pred.shape, dtype=torch.float32, device=pred.device)
+        loss = torch.zeros((), dtype=torch.float32, device=pred.device)
+        correct = torch.zeros((), dtype=torch.long, device=pred.device)
+        for s in range(0, pred.shape[0], chunk_rows):
+            z = pred[s : s + chunk_rows].float() @ w.T  # [c,V]
+            zt = target[s : s + chunk_rows].float() @ w.T  # [c,V]
+            correct += (z.argmax(-1) == zt.argmax(-1)).sum()
+            p = zt.softmax(-1)
+            lse = torch.logsumexp(z, dim=-1)
+            loss += (lse - (p * z).sum(-1)).sum()
+            grad[s : s + chunk_rows] = (torch.exp(z - lse[:, None]) - p) @ w  # d loss / d pred
+        ctx.save_for_backward(grad)
+        ctx.pred_dtype = pred.dtype
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss).to(ctx.pred_dtype), None, None, None
+
+
+def head_soft_cross_entropy(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+                            chunk_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """pred [N,H] (grad), target [N,H] (teacher features), weight [V,H] frozen lm_head
+    -> (summed soft-CE over the N rows, fp32 scalar; rows whose argmax agrees, long scalar)."""
+    return _HeadSoftCrossEntropy.apply(pred, target.detach(), weight.detach(), chunk_rows)
+
+
 def eagle1_loss(
     head,
     batch: AlignedBatch,
@@ -176,11 +222,13 @@ def eagle1_loss(
     token_weight: float = EAGLE1_TOKEN_WEIGHT,
     noise_scale: float = 0.0,
     generator: Optional[torch.Generator] = None,
+    chunk_rows: int = 1024,
 ) -> dict[str, torch.Tensor]:
     """EAGLE-1 objective: feature_weight * SmoothL1(predicted feature, next feature) + token_weight *
     soft-CE of the draft against the target distribution, both through the frozen target lm_head over
-    the full vocabulary, masked and normalized by the number of loss-masked positions. `noise_scale` > 0
-    adds uniform noise to the input features (training only; the official trainer uses 0.2).
+    the full vocabulary (computed in row chunks: head_soft_cross_entropy), masked and normalized by the
+    number of loss-masked positions. `noise_scale` > 0 adds uniform noise to the input features (training
+    only; the official trainer uses 0.2).
 
     Accuracy is single-step argmax agreement; multi-step acceptance of EAGLE-1 is measured by the tree
     decoder (eval), so `correct/total` gives only the first factor of the simulated tau.
@@ -192,13 +240,8 @@ def eagle1_loss(
     pred = head.forward_hidden(feat, batch.input_ids, batch.position_ids)
     pred, target = pred[mask], batch.target_hidden[mask].to(pred.dtype)  # [N,H]
     feature_loss = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1).sum() / denom
-    logits = head.logits(pred)  # [N,V]
-    with torch.no_grad():
-        target_logits = head.logits(target).float()
-        target_probs = target_logits.softmax(-1)
-    token_loss = soft_cross_entropy(logits, target_probs).sum() / denom
-    with torch.no_grad():
-        correct = (logits.argmax(-1) == target_logits.argmax(-1)).sum()
+    token_sum, correct = head_soft_cross_entropy(pred, target, head.lm_head.weight, chunk_rows)
+    token_loss = token_sum / denom
     return {
         "loss": feature_weight * feature_loss + token_weight * token_loss,
         "feature_loss": feature_loss.detach(),

@@ -139,7 +139,9 @@ def eagle3_ttt_loss(
       round_correct  [R] draft argmax (mapped to target ids) == target argmax over the full vocabulary
       round_total    [R] loss-masked positions (the accuracy denominator)
       round_counted  [R] positions in the loss (loss-masked and target top-1 inside the draft vocab)"""
-    probs, top1 = target_distribution(batch.target_hidden, target_lm_head_weight, head.t2d)
+    # Round i reads the teacher at t+i where loss_mask[t+i] holds: the round-0 loss rows are all it needs.
+    probs, top1 = target_distribution(batch.target_hidden, target_lm_head_weight, head.t2d,
+                                      rows_mask=batch.loss_mask & batch.attention_mask)
     losses, correct, total, counted = [], [], [], []
     for i, out in enumerate(ttt_forward(head, batch, ttt_steps)):
         mask = shift_left(batch.loss_mask, i, False) & batch.attention_mask
