@@ -112,3 +112,18 @@ def test_tree_decoding_equals_hf_generate_on_smollm2(smollm2):
     result = generate(model, drafter, prompt, N_NEW, eos_token_ids=())
     assert result.tokens == expected
     assert sum(result.accept_lengths) / len(result.accept_lengths) >= 3
+
+
+def test_row_logits_equal_the_full_lm_head(tiny_model, references):
+    """Verification reads lm_head rows lazily (RowLogits); each row equals the forward's own logits."""
+    from pipeline.eval.decoder import RowLogits, _new_cache, supports_row_logits, target_forward
+
+    assert supports_row_logits(tiny_model)
+    prompt, _ = references[1]
+    full, states = target_forward(tiny_model, prompt[None], _new_cache(tiny_model), (1, -1))
+    lazy, lazy_states = target_forward(tiny_model, prompt[None], _new_cache(tiny_model), (1, -1), row_logits=True)
+    assert isinstance(lazy, RowLogits) and len(lazy) == len(prompt) and not lazy.rows
+    torch.testing.assert_close(lazy_states, states)
+    for node in (0, 5, len(prompt) - 1):
+        torch.testing.assert_close(lazy[node], full[node], rtol=1e-5, atol=1e-5)
+    assert sorted(lazy.rows) == [0, 5, len(prompt) - 1]  # only the rows asked for were computed

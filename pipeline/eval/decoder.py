@@ -114,6 +114,31 @@ def _new_cache(model: torch.nn.Module) -> DynamicCache:
     return cache
 
 
+# Model types whose logits are exactly lm_head(final-norm state): no softcapping or logit scale after it.
+_PLAIN_LM_HEAD = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class RowLogits:
+    """Logits of a tree forward, computed one node at a time (`logits[node]` -> [V]) from the final-norm
+    states [N,H]: verification reads only the accepted path and its stop node, so a 60-node tree pays for
+    a handful of lm_head rows instead of 60 (lm_head is ~1/5 of a SmolLM2 forward's FLOPs)."""
+
+    def __init__(self, lm_head: torch.nn.Module, final: torch.Tensor):
+        self.lm_head, self.final, self.rows = lm_head, final, {}
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        if node not in self.rows:
+            self.rows[node] = self.lm_head(self.final[node : node + 1])[0]
+        return self.rows[node]
+
+    def __len__(self) -> int:
+        return self.final.shape[0]
+
+
+def supports_row_logits(model: torch.nn.Module) -> bool:
+    return model.config.model_type in _PLAIN_LM_HEAD and isinstance(model.get_output_embeddings(), torch.nn.Linear)
+
+
 def target_forward(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -122,15 +147,22 @@ def target_forward(
     position_ids: Optional[torch.Tensor] = None,
     attention_mask: Optional[torch.Tensor] = None,
     logits_to_keep: int = 0,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    row_logits: bool = False,
+) -> tuple[torch.Tensor | RowLogits, Optional[torch.Tensor]]:
     """input_ids [1, T] appended after `cache` -> (logits [T or logits_to_keep, V], states [T, F] or None).
 
     states concatenates HF `hidden_states[i]` for i in feature_layers (i = residual stream entering layer i;
-    -1 = the last entry, which HF ties to the output of the final norm). Only those are captured."""
-    kwargs = {"output_hidden_states": list(feature_layers)} if feature_layers else {}
+    -1 = the last entry, which HF ties to the output of the final norm). Only those are captured.
+    row_logits=True (plain-lm_head models only) skips lm_head in the forward and returns RowLogits."""
+    captured = list(feature_layers) + ([-1] if row_logits and -1 not in feature_layers else [])
+    kwargs = {"output_hidden_states": captured} if captured else {}
+    if row_logits:  # an empty index selects no rows: the forward stops at the final norm
+        logits_to_keep = torch.empty(0, dtype=torch.long, device=input_ids.device)
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
                 use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
     states = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)[0] if feature_layers else None
+    if row_logits:
+        return RowLogits(model.get_output_embeddings(), out.hidden_states[-1][0]), states
     return out.logits[0], states
 
 
@@ -189,6 +221,7 @@ def generate(
     spec = TreeSpec(top_k=top_k, depth=depth, total_tokens=total_tokens)
     eos, gen, clock = _eos_set(target, eos_token_ids), _generator(seed), _Clock(device)
     layers = tuple(drafter.feature_layers)
+    row_logits = supports_row_logits(target)
     cache = _new_cache(target)
     t_start = time.perf_counter()
 
@@ -207,8 +240,8 @@ def generate(
         prefix = cache.get_seq_length()
         mask = tree.attention_mask(prefix, dtype, device)
         with clock("target"):
-            logits, states = target_forward(
-                target, tree.tokens[None].to(device), cache, layers, tree.position_ids(prefix, device), mask)
+            logits, states = target_forward(target, tree.tokens[None].to(device), cache, layers,
+                                            tree.position_ids(prefix, device), mask, row_logits=row_logits)
         if temperature <= 0:
             path, bonus = verify_greedy(tree, logits)
         else:

@@ -53,12 +53,12 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / r.sum()
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """logits [N, V] of the tree's nodes -> (accepted path of node ids starting at the root, bonus token)."""
-    argmax = logits.argmax(dim=-1).tolist()
+def verify_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
+    """logits [N, V] of the tree's nodes (a tensor, or RowLogits: only the rows on the path are read)
+    -> (accepted path of node ids starting at the root, bonus token)."""
     path = [0]
     while True:
-        target = argmax[path[-1]]
+        target = int(logits[path[-1]].argmax())
         nxt = next((c for c in tree.children[path[-1]] if tree.token_list[c] == target), None)
         if nxt is None:
             return path, target
@@ -67,12 +67,13 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int
 
 def verify_sampling(
     tree: DraftTree,
-    logits: torch.Tensor,
+    logits,
     temperature: float,
     generator: torch.Generator,
     top_p: float = 1.0,
 ) -> tuple[list[int], int]:
-    """Multi-candidate speculative sampling over the tree (module docstring). logits [N, V]."""
+    """Multi-candidate speculative sampling over the tree (module docstring). logits [N, V] (tensor or
+    RowLogits)."""
     path = [0]
     while True:
         node = path[-1]
