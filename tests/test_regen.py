@@ -200,6 +200,28 @@ def test_refuses_a_directory_of_another_run(tmp_path, tiny_model_dir, source):
     assert summary["tokens"] == 3 * 5
 
 
+def test_finalize_partial_writes_a_manifest_over_finished_shards_then_a_rerun_completes(
+        tmp_path, tiny_model_dir, source):
+    """A long regen can feed the next stages early: finalize_partial lists only finished shards and says
+    what is missing; the plain rerun then generates only the missing shard and rewrites the manifest."""
+    cfg = _cfg(tmp_path, tiny_model_dir, source, limit=6)  # 3 batches of 2, 2 batches per shard: 2 shards
+    full = regen_run.main(cfg)
+    regen_dir = cfg.stage_dir("regen")
+    complete = load_manifest(regen_dir)
+    out = RegenDir(regen_dir)
+    out.done_path(1).unlink()  # as if shard 1 had not been finished yet
+    out.shard_path(1).unlink()
+    partial = regen_run.main(_cfg(tmp_path, tiny_model_dir, source, limit=6, finalize_partial=True))
+    manifest = load_manifest(regen_dir)
+    assert (manifest["complete"], manifest["shards_missing"]) == (False, 1)
+    assert [s["path"] for s in manifest["shards"]] == [complete["shards"][0]["path"]]
+    assert manifest["counts"]["conversations"] == partial["written"] == 4 < full["written"] == 6
+    assert len(_read_back(regen_dir)[0]) == 4
+    regen_run.main(cfg)
+    again = load_manifest(regen_dir)
+    assert again["complete"] and again["counts"] == complete["counts"] and again["shards"] == complete["shards"]
+
+
 # --- resumption and ranks (subprocesses) ---------------------------------------------------------------------
 
 

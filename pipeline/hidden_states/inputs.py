@@ -28,6 +28,10 @@ def read_conversations(cfg, fingerprint: dict, report: BadRecordReport) -> tuple
     regen_dir = cfg.stage_dir("regen")
     manifest = load_manifest(regen_dir, expect_stage="regen")
     check_target(fingerprint, manifest, regen_dir / MANIFEST, what="regen target")
+    if manifest.get("complete") is False:
+        log.warning("%s is partial (regen.finalize_partial): %d of %d planned shards missing; this dump covers "
+                    "the %d conversations regenerated so far", regen_dir, manifest["shards_missing"],
+                    manifest["plan"]["shards"], manifest["counts"]["conversations"])
     sources = regen_sources(regen_dir)  # the ShareGPT shards its manifest lists, in order
 
     def conversations() -> Iterator[dict]:

@@ -31,4 +31,8 @@ class RegenConfig:
     # Rank 0 waits this long for the other ranks' shards before giving up on the manifest.
     wait_timeout_s: float = 3600.0
     progress: bool = True
+    # Generate nothing: write the manifest over the shards finished so far (it records the missing ones,
+    # "complete": false) so the next stages can start while a long regen is still unfinished. A later
+    # plain rerun finishes the missing shards and rewrites the manifest (the dump must then be redone).
+    finalize_partial: bool = False
     openai: OpenAIBackendConfig = field(default_factory=OpenAIBackendConfig)

@@ -58,6 +58,8 @@ def main(cfg: EagletConfig) -> Optional[dict]:
         log.warning("only %d shards for %d ranks: lower regen.batches_per_shard or batch_size to use them all",
                     plan.n_shards, info.world_size)
 
+    if rcfg.finalize_partial:
+        return finalize_partial(cfg, out, report, fingerprint, generation, plan, t0) if info.is_main else None
     try:
         fresh = run_rank(out, plan, items, backend, rcfg, info)
     finally:
@@ -72,6 +74,19 @@ def main(cfg: EagletConfig) -> Optional[dict]:
     markers = out.wait_for_shards(plan.n_shards, rcfg.wait_timeout_s)
     summary = write_regen_manifest(cfg, out, markers, report, fingerprint, generation, plan, time.time() - t0)
     log.info("regen done: %s", describe(summary))
+    return summary
+
+
+def finalize_partial(cfg: EagletConfig, out: RegenDir, report: BadRecordReport, fingerprint: dict,
+                     generation: dict, plan: Plan, t0: float) -> dict:
+    markers = [m for m in out.markers(plan.n_shards) if m is not None]
+    if not markers:
+        raise ValueError(f"regen.finalize_partial: no finished shard in {out.root} yet")
+    missing = plan.n_shards - len(markers)
+    summary = write_regen_manifest(cfg, out, markers, report, fingerprint, generation, plan, time.time() - t0)
+    log.warning("regen manifest written over %d of %d shards (%d missing, %d planned conversations not "
+                "regenerated); rerun without regen.finalize_partial to finish them", len(markers), plan.n_shards,
+                missing, sum(plan.shard_size(s) for s in range(plan.n_shards)) - summary.get("conversations", 0))
     return summary
 
 
@@ -199,7 +214,9 @@ def write_regen_manifest(cfg: EagletConfig, out: RegenDir, markers: list[dict], 
     write_manifest(
         out.root, "regen", {"regen": cfg.regen, "data": cfg.data, "target": cfg.target}, counts, timings,
         target=fingerprint, generation=generation, format="sharegpt",
-        plan={"digest": plan.digest, "batches": plan.n_batches, "shards": plan.n_shards},
+        plan={"digest": plan.digest, "batches": plan.n_batches, "shards": plan.n_shards,
+              "conversations": sum(plan.shard_size(s) for s in range(plan.n_shards))},
+        complete=len(markers) == plan.n_shards, shards_missing=plan.n_shards - len(markers),
         shards=[{"path": m["path"], "conversations": m["conversations"], "sha256": m["sha256"], "rank": m["rank"]}
                 for m in markers],
         errors=[{"path": m["errors"], "failures": m["stats"].get("failed", 0)} for m in markers if m["errors"]],
