@@ -61,5 +61,8 @@ class EagletConfig:
     def eval_run_name(self) -> str:
         if self.eval.run_name:
             return self.eval.run_name
-        stem = Path(self.eval.questions).stem if self.eval.questions else "demo_questions"
-        return f"{stem}-T{self.eval.temperature:g}"
+        path = Path(self.eval.questions) if self.eval.questions else Path("demo_questions")
+        # FastChat / EAGLE layout (data/<bench>/question.jsonl): the folder names the set.
+        stem = path.parent.name if path.stem == "question" and path.parent.name else path.stem
+        limit = f"-n{self.eval.limit}" if self.eval.limit else ""
+        return f"{stem}{limit}-T{self.eval.temperature:g}"

@@ -40,6 +40,16 @@ def test_group_override_changes_head_and_output_layout():
     assert cfg.stage_dir("eval") == Path("outputs/demo/eval/eagle1/demo_questions-T1")
 
 
+@pytest.mark.parametrize("questions,limit,name", [
+    ("../shared/data/mt_bench/question.jsonl", None, "mt_bench-T0"),  # FastChat layout: the folder names it
+    ("../shared/data/eagle_bench/gsm8k/question.jsonl", 20, "gsm8k-n20-T0"),
+    ("/tmp/my_questions.jsonl", None, "my_questions-T0"),
+])
+def test_eval_run_names_never_collide_across_sets_and_limits(questions, limit, name):
+    overrides = [f"eval.questions={questions}"] + ([f"eval.limit={limit}"] if limit else [])
+    assert compose_cfg(overrides).eval_run_name == name
+
+
 def test_misspelt_key_fails_at_compose_time():
     with pytest.raises(Exception, match="tarin"):
         compose_cfg(["tarin.lr=1"])

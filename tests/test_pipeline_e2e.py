@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from pipeline.eval.table import table
 from pipeline.manifest import load_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,15 +33,26 @@ def tiny_args(root: Path, model_dir: Path) -> list[str]:
             "eval.depth=4", "eval.top_k=4", "eval.total_tokens=16"]
 
 
-def test_chain_regen_dump_train_eval(tmp_path, tiny_model_dir):
+QUESTIONS = [
+    {"question_id": 1, "category": "math", "turns": ["What is 12 times 7?"]},
+    {"question_id": 2, "category": "chat", "turns": ["Say hello.", "Now say it twice."]},
+    {"question_id": 3, "category": "chat", "turns": ["Write a poem about the sea."]}]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, tiny_model_dir):
+    """regen -> dump -> train -> eval through the CLI, once for this module: (root, CLI args)."""
+    tmp_path = tmp_path_factory.mktemp("e2e")
     questions = tmp_path / "questions.jsonl"
-    questions.write_text("\n".join(json.dumps(q) for q in [
-        {"question_id": 1, "category": "math", "turns": ["What is 12 times 7?"]},
-        {"question_id": 2, "category": "chat", "turns": ["Say hello.", "Now say it twice."]},
-        {"question_id": 3, "category": "chat", "turns": ["Write a poem about the sea."]}]) + "\n")
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
     args = tiny_args(tmp_path, tiny_model_dir) + [f"eval.questions={questions}"]
     for stage in ("regen", "dump", "train", "eval"):
         run_cli([f"stage={stage}", *args])
+    return tmp_path, args
+
+
+def test_chain_regen_dump_train_eval(chain):
+    tmp_path, _ = chain
     exp = tmp_path / "e2e"
     regen, dump = load_manifest(exp / "regen", "regen"), load_manifest(exp / "dump", "dump")
     train = load_manifest(exp / "train" / "eagle3", "train")
@@ -63,3 +77,38 @@ def test_chain_regen_dump_train_eval(tmp_path, tiny_model_dir):
     assert answers[2]["prompt_tokens"] > answers[1]["prompt_tokens"] + answers[1]["new_tokens"]
     for a in answers:  # the prefill token plus exactly what each verification forward emitted
         assert a["new_tokens"] == 1 + sum(x + 1 for x in a["accept_lengths"])
+
+
+def _answers(path: Path) -> list[tuple]:
+    """What a resumed eval must reproduce exactly: everything but the timings."""
+    return [(a["question_id"], a["turn"], a["answer"], a["accept_lengths"])
+            for a in map(json.loads, path.read_text().splitlines())]
+
+
+def test_eval_resumes_in_pieces_and_refuses_other_settings(chain):
+    """A time budget stops after the question that crosses it (partial summary, no manifest); reruns continue
+    from answers.partial.jsonl and end with the same answers as the uninterrupted eval; changed settings are
+    refused instead of mixing two runs. The baseline covers only the first `baseline_limit` questions."""
+    tmp_path, args = chain
+    ev = tmp_path / "e2e" / "eval" / "eagle3"
+    piece = [*args, "stage=eval", "eval.run_name=pieces", "eval.time_budget_s=0", "eval.baseline_limit=1"]
+    for done in (1, 2):
+        out = run_cli(piece)
+        assert f"PARTIAL: {done} of 3 questions" in out.stdout
+        partial = json.loads((ev / "pieces" / "summary.partial.json").read_text())
+        assert (partial["questions_done"], partial["complete"]) == (done, False)
+        assert not (ev / "pieces" / "manifest.json").exists()
+        assert f"| eagle3 | pieces | 0 | {done}/3 (partial) | " in table(tmp_path / "e2e")
+    bad = subprocess.run([sys.executable, "-m", "pipeline.run", *piece, "eval.top_k=2"], cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline"), capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode != 0 and "partial eval of another run" in bad.stderr + bad.stdout
+    run_cli(piece)  # the last question
+    summary = json.loads((ev / "pieces" / "summary.json").read_text())
+    assert summary["complete"] and summary["turns"] == 4
+    assert summary["baseline_turns"] == 1 and summary["greedy_matches_baseline"] == "1/1"
+    assert load_manifest(ev / "pieces", "eval")["counts"]["turns"] == 4
+    assert not (ev / "pieces" / "summary.partial.json").exists()
+    assert _answers(ev / "pieces" / "answers.jsonl") == _answers(ev / "questions-T0" / "answers.jsonl")
+    rows = table(tmp_path / "e2e").splitlines()[2:]
+    assert [r.split(" | ")[1:4] for r in rows] == [["pieces", "0", "3/3"], ["questions", "0", "3/3"]]

@@ -16,4 +16,11 @@ class EvalConfig:
     depth: int = 6
     total_tokens: int = 60
     baseline: bool = True  # also run vanilla decoding for wall-clock speedup
+    # Vanilla baseline on the first N questions only (None: all). Speedup compares the same turns both ways;
+    # tau always covers every question. Halves a long CPU eval at the cost of a smaller speedup sample.
+    baseline_limit: Optional[int] = None
     seed: int = 0
+    # Stop after the question that crosses this many seconds; a rerun continues from answers.partial.jsonl.
+    time_budget_s: Optional[float] = None
+    # A partial run with other settings or another head is refused unless set (it is then discarded).
+    overwrite: bool = False

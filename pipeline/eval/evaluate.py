@@ -3,6 +3,7 @@ per-turn tokens, target forwards, accept lengths and wall time."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
@@ -56,35 +57,59 @@ def stop_token_ids(target_model, tokenizer) -> set[int]:
 
 
 def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfig,
-                     system_prompt: Optional[str] = None) -> list[TurnRecord]:
+                     system_prompt: Optional[str] = None, progress=None,
+                     deadline: Optional[float] = None) -> list[TurnRecord]:
+    """Answer every question (all its turns) with the tree decoder, plus the vanilla baseline on the first
+    `cfg.baseline_limit` questions. `progress` (EvalProgress) supplies finished questions and records new
+    ones; once a question ends past `deadline` (time.monotonic()) no new one starts: the result may be partial."""
     model, tokenizer = target.model, target.tokenizer
     eos = stop_token_ids(model, tokenizer)
     drafter = EagleDrafter(head)
+    done = progress.done if progress is not None else {}
     records = []
     questions = list(questions)
     bar = tqdm(total=sum(len(q.turns) for q in questions), desc="eval", unit="turn")
     for qi, q in enumerate(questions):
-        messages = [{"role": "system", "content": q.system}] if q.system else []
-        for ti, user in enumerate(q.turns):
-            messages.append({"role": "user", "content": user})
-            prompt = torch.tensor(render_prompt(tokenizer, messages, system_prompt=system_prompt))
-            # One seed per (question, turn): sampling runs are reproducible and independent of order.
-            seed = cfg.seed * 1_000_003 + qi * 101 + ti
-            spec = generate(model, drafter, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
-                            top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens,
-                            eos_token_ids=eos, seed=seed)
-            rec = _record(q, ti, prompt, spec, tokenizer)
-            if cfg.baseline:
-                base = vanilla_generate(model, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
-                                        eos_token_ids=eos, seed=seed)
-                rec.baseline_wall_s, rec.baseline_new_tokens = base.wall_time, len(base.tokens)
-                if cfg.temperature <= 0:
-                    rec.matches_baseline = base.tokens == spec.tokens
-            records.append(rec)
-            messages.append({"role": "assistant", "content": rec.answer})
-            bar.update(1)
-            bar.set_postfix(tau=f"{rec.tau:.2f}")
+        if q.id in done:
+            records.extend(done[q.id])
+            bar.update(len(q.turns))
+            continue
+        with_baseline = cfg.baseline and (cfg.baseline_limit is None or qi < cfg.baseline_limit)
+        q_records = _answer(model, tokenizer, drafter, q, qi, cfg, eos, system_prompt, with_baseline, bar)
+        records.extend(q_records)
+        if progress is not None:
+            progress.append(q.id, q_records)
+        if deadline is not None and time.monotonic() > deadline and qi + 1 < len(questions):
+            log.info("eval time budget spent after question %d of %d", qi + 1, len(questions))
+            break
     bar.close()
+    return records
+
+
+def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, eos: set[int],
+            system_prompt: Optional[str], with_baseline: bool, bar) -> list[TurnRecord]:
+    """All turns of one question; later turns see the speculative answers as history."""
+    messages = [{"role": "system", "content": q.system}] if q.system else []
+    records = []
+    for ti, user in enumerate(q.turns):
+        messages.append({"role": "user", "content": user})
+        prompt = torch.tensor(render_prompt(tokenizer, messages, system_prompt=system_prompt))
+        # One seed per (question, turn): sampling runs are reproducible and independent of order.
+        seed = cfg.seed * 1_000_003 + qi * 101 + ti
+        spec = generate(model, drafter, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
+                        top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens,
+                        eos_token_ids=eos, seed=seed)
+        rec = _record(q, ti, prompt, spec, tokenizer)
+        if with_baseline:
+            base = vanilla_generate(model, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
+                                    eos_token_ids=eos, seed=seed)
+            rec.baseline_wall_s, rec.baseline_new_tokens = base.wall_time, len(base.tokens)
+            if cfg.temperature <= 0:
+                rec.matches_baseline = base.tokens == spec.tokens
+        records.append(rec)
+        messages.append({"role": "assistant", "content": rec.answer})
+        bar.update(1)
+        bar.set_postfix(tau=f"{rec.tau:.2f}")
     return records
 
 

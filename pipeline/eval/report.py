@@ -41,12 +41,14 @@ def summarize(records: Sequence[TurnRecord], settings: dict, depth: int) -> dict
         "spec_tokens_per_s": new_tokens / spec_s if spec_s else float("nan"),
         "time_fraction": {k: v / spec_s if spec_s else float("nan") for k, v in step_s.items()},
     }
-    if all(r.baseline_wall_s is not None for r in records):
-        base_s = sum(r.baseline_wall_s for r in records)
-        base_tokens = sum(r.baseline_new_tokens for r in records)
-        summary.update(baseline_wall_s=base_s, baseline_tokens_per_s=base_tokens / base_s,
-                       speedup=(new_tokens / spec_s) / (base_tokens / base_s))
-        checked = [r.matches_baseline for r in records if r.matches_baseline is not None]
+    based = [r for r in records if r.baseline_wall_s is not None]
+    if based:  # speedup over the same turns both ways (the baseline may cover only the first questions)
+        spec_b, base_s = sum(r.wall_s for r in based), sum(r.baseline_wall_s for r in based)
+        base_tokens = sum(r.baseline_new_tokens for r in based)
+        summary.update(baseline_turns=len(based), baseline_wall_s=base_s,
+                       baseline_tokens_per_s=base_tokens / base_s,
+                       speedup=(sum(r.new_tokens for r in based) / spec_b) / (base_tokens / base_s))
+        checked = [r.matches_baseline for r in based if r.matches_baseline is not None]
         if checked:
             summary["greedy_matches_baseline"] = f"{sum(checked)}/{len(checked)}"
     return summary
@@ -57,9 +59,12 @@ def format_summary(summary: dict) -> str:
     lines = [f"tau {summary['tau']:.3f}  (depth {s['depth']}, top_k {s['top_k']}, total_tokens "
              f"{s['total_tokens']}, T={s['temperature']:g}, {summary['turns']} turns, "
              f"{summary['new_tokens']} new tokens)"]
+    if not summary.get("complete", True):
+        lines.insert(0, f"PARTIAL: {summary['questions_done']} of {summary['questions']} questions "
+                        "(rerun the same command to continue)")
     if "speedup" in summary:
-        lines.append(f"speedup {summary['speedup']:.2f}x  ({summary['spec_tokens_per_s']:.1f} vs "
-                     f"{summary['baseline_tokens_per_s']:.1f} tokens/s vanilla, {s['device']})")
+        lines.append(f"speedup {summary['speedup']:.2f}x  (vanilla {summary['baseline_tokens_per_s']:.1f} tokens/s "
+                     f"over {summary['baseline_turns']} turns, {s['device']})")
     if "greedy_matches_baseline" in summary:
         lines.append(f"greedy output identical to vanilla decoding: {summary['greedy_matches_baseline']} turns")
     lines.append("per category: " + ", ".join(f"{c} {t:.2f}" for c, t in summary["tau_per_category"].items()))

@@ -1,6 +1,7 @@
 """Stage eval: tau and speedup of a trained head with the tree speculative decoder."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -9,7 +10,8 @@ from pipeline.data.bad_records import BadRecordReport
 from pipeline.eval.evaluate import answer_questions, record_dict
 from pipeline.eval.questions import load_questions
 from pipeline.eval.report import format_summary, log_wandb, plot_summary, summarize
-from pipeline.manifest import load_manifest, to_plain, write_manifest
+from pipeline.eval.progress import EvalProgress
+from pipeline.manifest import MANIFEST, digest_file, load_manifest, to_plain, write_manifest
 from pipeline.target import load_target
 from pipeline.train.checkpoint import load_head
 
@@ -24,18 +26,31 @@ def main(cfg) -> dict:
     head = load_head(train_dir, target)  # refuses a head trained on another target
     report = BadRecordReport()
     questions = load_questions(cfg.eval.questions, cfg.eval.limit, report, cfg.data.on_bad_record)
-    records = answer_questions(target, head, questions, cfg.eval, system_prompt=cfg.data.system_prompt)
-
     settings = {"top_k": cfg.eval.top_k, "depth": cfg.eval.depth, "total_tokens": cfg.eval.total_tokens,
                 "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
                 "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
                 "questions": cfg.eval.questions or "demo", "head": cfg.head.name}
+    identity = {"settings": settings, "seed": cfg.eval.seed, "baseline": cfg.eval.baseline,
+                "baseline_limit": cfg.eval.baseline_limit, "system_prompt": cfg.data.system_prompt,
+                "head_manifest_sha256": digest_file(train_dir / MANIFEST),
+                "questions_sha256": hashlib.sha256(json.dumps([[q.id, q.system, q.turns] for q in questions])
+                                                   .encode()).hexdigest()}
+    progress = EvalProgress(out_dir, identity, cfg.eval.overwrite)
+    deadline = None if cfg.eval.time_budget_s is None else time.monotonic() + cfg.eval.time_budget_s
+    records = answer_questions(target, head, questions, cfg.eval, system_prompt=cfg.data.system_prompt,
+                               progress=progress, deadline=deadline)
     summary = summarize(records, settings, cfg.eval.depth)
+    n_done = len({r.question_id for r in records})
+    summary.update(questions=len(questions), questions_done=n_done, complete=n_done == len(questions))
     summary["target"] = target.fingerprint
     summary["head"] = {"name": cfg.head.name, "kind": head.config.kind,
                        "train_manifest_code_version": train_manifest.get("code_version"),
                        "config": head.config.to_dict()}
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not summary["complete"]:  # no answers.jsonl or manifest: the next stage must not take a partial eval
+        (out_dir / "summary.partial.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
+        print(f"[eval] {cfg.name}/{cfg.head.name}/{cfg.eval_run_name} -> {out_dir}\n{format_summary(summary)}")
+        return summary
+    (out_dir / "summary.partial.json").unlink(missing_ok=True)
     with open(out_dir / "answers.jsonl", "w") as f:
         for rec in records:
             f.write(json.dumps(record_dict(rec), ensure_ascii=False) + "\n")
