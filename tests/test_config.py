@@ -95,3 +95,12 @@ def test_cli_user_errors_are_one_clear_message(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("eaglet: train: ManifestError: ") and "no manifest" in last
     assert "Traceback" not in out.stderr
+
+
+def test_quality_experiment_holds_out_every_eval_set():
+    """Training prompts never come from MT-bench or the EAGLE bench sets, which the experiment evaluates on."""
+    cfg = compose_cfg(["experiment=smollm2_quality"])
+    paths = [s["path"] if isinstance(s, dict) else s.path for s in cfg.data.sources]
+    assert len(paths) == 7 and not any("mt_bench" in p or "eagle_bench" in p for p in paths)
+    assert cfg.eval.questions.endswith("mt_bench/question.jsonl") and cfg.eval.max_new_tokens == 256
+    assert (cfg.eval.depth, cfg.eval.top_k, cfg.eval.total_tokens) == (6, 10, 60)
