@@ -52,6 +52,19 @@ def digest_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the whole new one, never a torn one:
+    a per-process temporary in the same folder, fsynced, then renamed over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings: dict,
                    inputs: Iterable[Path] = (), **extra: Any) -> Path:
     """Atomically writes out_dir/manifest.json. `inputs` are the input stage directories whose manifests
@@ -70,9 +83,7 @@ def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings
         **to_plain(extra),
     }
     path = out_dir / MANIFEST
-    tmp = out_dir / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(doc, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
     return path
 
 

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from pipeline.manifest import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when the cache layout changes
@@ -130,14 +132,8 @@ def gguf_cache_dir(cfg: TargetConfig, gguf: Path) -> Path:
     if key not in stamps:
         stamps[key] = file_sha256(gguf)
         stamp_file.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(stamp_file, json.dumps(stamps, indent=1))
+        atomic_write_text(stamp_file, json.dumps(stamps, indent=1))
     return cache_root(cfg) / "targets" / f"{gguf.stem}-{stamps[key][:16]}-v{CACHE_FORMAT}"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def dequantize_gguf_to_cache(gguf: Path, out: Path) -> None:

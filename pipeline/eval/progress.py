@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from pipeline.eval.evaluate import TurnRecord, record_dict
+from pipeline.manifest import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class EvalProgress:
                 if n != len(lines):
                     raise ValueError(f"{self.path}:{n}: corrupt line in the middle of the file") from None
                 log.warning("%s:%d: dropping a torn last line", self.path, n)
-                self._rewrite(lines[: n - 1])
+                atomic_write_text(self.path, "".join(line + "\n" for line in lines[: n - 1]))
                 break
             self.done[doc["question_id"]] = [TurnRecord(**{k: v for k, v in r.items() if k in _FIELDS})
                                              for r in doc["turns"]]
@@ -61,8 +62,3 @@ class EvalProgress:
             f.write(json.dumps(doc, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
-
-    def _rewrite(self, lines: list[str]) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines))
-        os.replace(tmp, self.path)

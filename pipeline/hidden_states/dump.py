@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from pipeline.hidden_states.plan import DumpPlan, TokenizedSample, make_plan
 from pipeline.hidden_states.shards import (FORMAT_NAME, FORMAT_VERSION, ShardWriter, StateLayout, dtype_name,
                                            record_batch, resolve_dump_dtype, shard_entry, shard_index,
                                            shard_metadata, shard_name)
-from pipeline.manifest import MANIFEST, write_manifest
+from pipeline.manifest import MANIFEST, atomic_write_text, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +112,7 @@ def _progress_path(out_dir: Path, index: int) -> Path:
 
 
 def _write_json_atomic(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(doc, sort_keys=True))
 
 
 def _recorded(out_dir: Path, k: int, plan: DumpPlan) -> Optional[dict]:

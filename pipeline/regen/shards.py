@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.data.config import SourceConfig
+from pipeline.manifest import atomic_write_text
 from pipeline.regen.waves import BatchResult
 
 log = logging.getLogger(__name__)
@@ -34,16 +34,6 @@ log = logging.getLogger(__name__)
 
 class RegenStateError(RuntimeError):
     pass
-
-
-def atomic_write(path: Path, data: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _dumps(obj) -> str:
@@ -96,7 +86,7 @@ class RegenDir:
             for sub in (self.shards, self.errors, self.state):
                 shutil.rmtree(sub, ignore_errors=True)
             (self.root / "manifest.json").unlink(missing_ok=True)
-        atomic_write(self.run_path, _dumps(identity))  # every rank writes the same content
+        atomic_write_text(self.run_path, _dumps(identity))  # every rank writes the same content
         return False
 
     def remove_stale_tmp(self) -> None:
@@ -115,7 +105,7 @@ class RegenDir:
         return BatchResult.from_dict(json.loads(path.read_text())) if path.exists() else None
 
     def save_batch(self, batch: int, result: BatchResult) -> None:
-        atomic_write(self.batch_path(batch), json.dumps(result.to_dict(), ensure_ascii=False))
+        atomic_write_text(self.batch_path(batch), json.dumps(result.to_dict(), ensure_ascii=False))
 
     def drop_batches(self, batches) -> None:
         for b in batches:
@@ -125,9 +115,9 @@ class RegenDir:
         records = [r for res in results for r in res.records]
         failures = [f for res in results for f in res.failures]
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        atomic_write(self.shard_path(shard), text)
+        atomic_write_text(self.shard_path(shard), text)
         if failures:
-            atomic_write(self.error_path(shard), "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures))
+            atomic_write_text(self.error_path(shard), "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures))
         else:
             self.error_path(shard).unlink(missing_ok=True)  # left by an earlier, failed attempt
         marker = {
@@ -140,7 +130,7 @@ class RegenDir:
             "sha256": hashlib.sha256(text.encode()).hexdigest(),
             "stats": sum_stats([res.stats for res in results]),
         }
-        atomic_write(self.done_path(shard), _dumps(marker))
+        atomic_write_text(self.done_path(shard), _dumps(marker))
         self.drop_batches(batches)
         return marker
 

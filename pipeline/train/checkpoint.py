@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.manifest import check_target, load_manifest
+from pipeline.manifest import atomic_write_text, check_target, load_manifest
 
 from .heads.common import build_draft_head
 from .heads.config import DraftHeadConfig
@@ -241,12 +241,7 @@ def _torch_save(obj, path: Path) -> None:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _fsync_dir(path: Path) -> None:
