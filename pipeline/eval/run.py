@@ -48,21 +48,21 @@ def main(cfg) -> dict:
                        "config": head.config.to_dict()}
     if not summary["complete"]:  # no answers.jsonl or manifest: the next stage must not take a partial eval
         (out_dir / "summary.partial.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
-        print(f"[eval] {cfg.name}/{cfg.head.name}/{cfg.eval_run_name} -> {out_dir}\n{format_summary(summary)}")
-        return summary
-    (out_dir / "summary.partial.json").unlink(missing_ok=True)
-    with open(out_dir / "answers.jsonl", "w") as f:
-        for rec in records:
-            f.write(json.dumps(record_dict(rec), ensure_ascii=False) + "\n")
-    (out_dir / "summary.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
-    plot_summary(summary, out_dir / "tau.png", title=f"{cfg.name} / {cfg.head.name} / {cfg.eval_run_name}")
-    log_wandb(cfg.wandb, out_dir, summary, f"{cfg.name}-{cfg.head.name}-{cfg.eval_run_name}",
-              to_plain({"eval": cfg.eval, "head": cfg.head, "target": cfg.target}))
-    write_manifest(out_dir, "eval", config={"eval": cfg.eval, "head": cfg.head, "target": cfg.target},
-                   counts={"questions": len(questions), "turns": len(records),
-                           "new_tokens": summary["new_tokens"], "bad_records": report.to_dict()},
-                   timings={"total_s": time.perf_counter() - t0, "spec_wall_s": summary["spec_wall_s"]},
-                   inputs=[train_dir], target=target.fingerprint, tau=summary["tau"],
-                   speedup=summary.get("speedup"))
+    else:
+        (out_dir / "summary.partial.json").unlink(missing_ok=True)
+        with open(out_dir / "answers.jsonl", "w") as f:
+            for rec in records:
+                f.write(json.dumps(record_dict(rec), ensure_ascii=False) + "\n")
+        (out_dir / "summary.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
+        plot_summary(summary, out_dir / "tau.png", title=f"{cfg.name} / {cfg.head.name} / {cfg.eval_run_name}")
+        log_wandb(cfg.wandb, out_dir, summary, f"{cfg.name}-{cfg.head.name}-{cfg.eval_run_name}",
+                  to_plain({"eval": cfg.eval, "head": cfg.head, "target": cfg.target}))
+        write_manifest(out_dir, "eval", config={"eval": cfg.eval, "head": cfg.head, "target": cfg.target},
+                       counts={"questions": len(questions), "turns": len(records),
+                               "new_tokens": summary["new_tokens"], "bad_records": report.to_dict()},
+                       timings={"total_s": time.perf_counter() - t0, "spec_wall_s": summary["spec_wall_s"]},
+                       inputs=[train_dir], target=target.fingerprint, tau=summary["tau"],
+                       speedup=summary.get("speedup"))
     print(f"[eval] {cfg.name}/{cfg.head.name}/{cfg.eval_run_name} -> {out_dir}\n{format_summary(summary)}")
     return summary
+

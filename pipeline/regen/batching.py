@@ -71,6 +71,10 @@ class Plan:
         return len(self.batches)
 
     @property
+    def n_items(self) -> int:
+        return sum(len(b) for b in self.batches)
+
+    @property
     def n_shards(self) -> int:
         return -(-self.n_batches // self.batches_per_shard)
 

@@ -82,11 +82,10 @@ def finalize_partial(cfg: EagletConfig, out: RegenDir, report: BadRecordReport, 
     markers = [m for m in out.markers(plan.n_shards) if m is not None]
     if not markers:
         raise ValueError(f"regen.finalize_partial: no finished shard in {out.root} yet")
-    missing = plan.n_shards - len(markers)
     summary = write_regen_manifest(cfg, out, markers, report, fingerprint, generation, plan, time.time() - t0)
-    log.warning("regen manifest written over %d of %d shards (%d missing, %d planned conversations not "
-                "regenerated); rerun without regen.finalize_partial to finish them", len(markers), plan.n_shards,
-                missing, sum(plan.shard_size(s) for s in range(plan.n_shards)) - summary.get("conversations", 0))
+    log.warning("regen manifest written over %d of %d shards (%d planned conversations not regenerated); rerun "
+                "without regen.finalize_partial to finish them", len(markers), plan.n_shards,
+                plan.n_items - summary.get("conversations", 0))
     return summary
 
 
@@ -215,7 +214,7 @@ def write_regen_manifest(cfg: EagletConfig, out: RegenDir, markers: list[dict], 
         out.root, "regen", {"regen": cfg.regen, "data": cfg.data, "target": cfg.target}, counts, timings,
         target=fingerprint, generation=generation, format="sharegpt",
         plan={"digest": plan.digest, "batches": plan.n_batches, "shards": plan.n_shards,
-              "conversations": sum(plan.shard_size(s) for s in range(plan.n_shards))},
+              "conversations": plan.n_items},
         complete=len(markers) == plan.n_shards, shards_missing=plan.n_shards - len(markers),
         shards=[{"path": m["path"], "conversations": m["conversations"], "sha256": m["sha256"], "rank": m["rank"]}
                 for m in markers],
