@@ -309,3 +309,35 @@ def test_uniform_noise_amplitude():
     noise = add_uniform_noise(x, 0.2, torch.Generator().manual_seed(0))
     assert noise.abs().max() <= 0.1 and noise.abs().max() > 0.09 and abs(float(noise.mean())) < 0.01
     assert add_uniform_noise(x, 0.0) is x
+
+
+def test_eagle3_output_path_starts_as_the_targets(tiny_model):
+    """lm_head_init=target: on the target's own last pre-norm state, the fresh head's logits are the target's
+    logits at the draft-vocabulary ids, so training starts from the target's output map, not a random one."""
+    import copy
+
+    from pipeline.train.vocab import vocab_from_ids
+
+    tiny_model = copy.deepcopy(tiny_model)  # a final norm that is not all ones, so copying it is seen
+    with torch.no_grad():
+        tiny_model.model.norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+    cfg = DraftHeadConfig.from_target(tiny_model.config, "eagle3", draft_vocab_size=40, aux_layer_ids=None)
+    head = build_draft_head(cfg)
+    head.copy_from_target(tiny_model)
+    kept = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:40]
+    head.set_draft_vocab(*vocab_from_ids(kept, cfg.vocab_size))
+    random_logits_weight = head.lm_head.weight.clone()
+    head.init_output_from_target(tiny_model)
+    assert not torch.equal(head.lm_head.weight, random_logits_weight)
+
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    hook = tiny_model.model.norm.register_forward_pre_hook(lambda _, args: seen.update(pre_norm=args[0]))
+    try:
+        with torch.no_grad():
+            target_logits = tiny_model(input_ids=ids).logits  # [1, 12, V]
+    finally:
+        hook.remove()
+    draft_ids = head.draft_to_target(torch.arange(40))
+    with torch.no_grad():
+        torch.testing.assert_close(head.logits(seen["pre_norm"]), target_logits[..., draft_ids])

@@ -13,6 +13,9 @@ class HeadConfig:
     draft_vocab_size: int = 32000  # eagle3 only; capped at the distinct tokens seen
     ttt_steps: int = 7  # eagle3 training-time-test rounds
     ttt_decay: float = 0.8  # weight of round i is decay**i
+    # eagle3: "target" starts lm_head/norm from the target's (draft-vocab rows, final norm; docs/results.md
+    # measures the gain), "random" as the official EAGLE-3 trainer.
+    lm_head_init: str = "target"
     rope_theta: float = 10000.0
     fc_bias: bool = False  # eagle1
     feature_loss_weight: float = 1.0  # eagle1

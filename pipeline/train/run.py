@@ -106,6 +106,8 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
     """The head for `cfg.head.kind`, sized from the target, with the target's frozen weights and (EAGLE-3)
     the draft vocabulary of the training split's loss-masked tokens."""
     hcfg = cfg.head
+    if hcfg.lm_head_init not in ("target", "random"):
+        raise ValueError(f"head.lm_head_init must be 'target' or 'random', got {hcfg.lm_head_init!r}")
     vocab = None
     if hcfg.kind == "eagle3":
         vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in train_idx),
@@ -120,6 +122,8 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
     if vocab is not None:
         head.set_draft_vocab(vocab.d2t, vocab.t2d)
         info["coverage"] = vocab.coverage
+        if hcfg.lm_head_init == "target":
+            head.init_output_from_target(target.model)
     return head.to(target.device), info
 
 

@@ -18,6 +18,9 @@ from torch import nn
 from .common import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
 from .config import DraftHeadConfig
 
+# Targets whose final norm is a Llama RMSNorm (weight * x_hat, not Gemma's (1 + weight) * x_hat).
+_LLAMA_NORM = {"llama", "mistral", "qwen2", "qwen3"}
+
 
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, config: DraftHeadConfig):
@@ -82,3 +85,20 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
     def copy_from_target(self, target_model: nn.Module) -> None:
         """Copy the frozen embedding from an HF causal LM."""
         self.copy_target_embeddings(target_model.get_input_embeddings().weight)
+
+    @torch.no_grad()
+    def init_output_from_target(self, target_model: nn.Module) -> None:
+        """Start the (trainable) output path as the target's: lm_head = the target lm_head rows of the draft
+        vocabulary (as vllm-project/speculators initializes it), norm = the target's final RMSNorm. Call
+        after `set_draft_vocab`. Why: a random [V_draft, H] lm_head is most of the head's parameters and, on
+        a small dump, most of what it has to learn (EAGLE-1 gets the target's lm_head for free); started
+        from the target's, training only has to bring out_hidden near the target's last pre-norm state."""
+        weight = target_model.get_output_embeddings().weight  # [V, H_target]
+        if weight.shape[1] != self.lm_head.in_features:
+            raise ValueError(f"target lm_head width {weight.shape[1]} != draft hidden {self.lm_head.in_features}")
+        ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        self.lm_head.weight.copy_(weight[ids.to(weight.device)])  # [V_draft, H]
+        final_norm = getattr(target_model.base_model, "norm", None)
+        # Only a Llama-convention RMSNorm (weight * x_hat) means the same thing in this head's RMSNorm.
+        if target_model.config.model_type in _LLAMA_NORM and final_norm is not None:
+            self.norm.weight.copy_(final_norm.weight)
