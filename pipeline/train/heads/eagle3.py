@@ -90,9 +90,10 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
     def init_output_from_target(self, target_model: nn.Module) -> None:
         """Start the (trainable) output path as the target's: lm_head = the target lm_head rows of the draft
         vocabulary (as vllm-project/speculators initializes it), norm = the target's final RMSNorm. Call
-        after `set_draft_vocab`. Why: a random [V_draft, H] lm_head is most of the head's parameters and, on
-        a small dump, most of what it has to learn (EAGLE-1 gets the target's lm_head for free); started
-        from the target's, training only has to bring out_hidden near the target's last pre-norm state."""
+        after `set_draft_vocab`. The idea: training then only has to bring out_hidden near the target's last
+        pre-norm state, as EAGLE-1 gets the target's lm_head for free. Measured on SmolLM2 it learned slower
+        than a random lm_head (the target-scale logits of a still-random out_hidden give huge early
+        gradients), so it is opt-in: head.lm_head_init=target."""
         weight = target_model.get_output_embeddings().weight  # [V, H_target]
         if weight.shape[1] != self.lm_head.in_features:
             raise ValueError(f"target lm_head width {weight.shape[1]} != draft hidden {self.lm_head.in_features}")
