@@ -73,18 +73,18 @@ def held_out_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def sweep(target, head, prompts, max_new_tokens: int) -> dict:
+def sweep(target, head, prompts, max_new_tokens: int, trees: list[tuple[int, int, int]]) -> dict:
     model = target.model
     eos = stop_token_ids(model, target.tokenizer)
     drafter = EagleDrafter(head)
-    names = ["vanilla"] + [f"d{d}_k{k}_n{n}" for d, k, n in TREES]
+    names = ["vanilla"] + [f"d{d}_k{k}_n{n}" for d, k, n in trees]
     acc = {name: {"wall_s": 0.0, "tokens": 0, "forwards": 0, "accepted": 0, "identical": 0} for name in names}
     for p in prompts:
         ids = torch.tensor(p)
         base = vanilla_generate(model, ids, max_new_tokens, eos_token_ids=eos)
         acc["vanilla"]["wall_s"] += base.wall_time
         acc["vanilla"]["tokens"] += len(base.tokens)
-        for (d, k, n), name in zip(TREES, names[1:]):
+        for (d, k, n), name in zip(trees, names[1:]):
             res = generate(model, drafter, ids, max_new_tokens, top_k=k, depth=d, total_tokens=n, eos_token_ids=eos)
             a = acc[name]
             a["wall_s"] += res.wall_time
@@ -95,7 +95,7 @@ def sweep(target, head, prompts, max_new_tokens: int) -> dict:
         print(f"prompt {len(p)} tokens done", flush=True)
     van_rate = acc["vanilla"]["tokens"] / acc["vanilla"]["wall_s"]
     rows = {"vanilla": {"tokens_per_s": van_rate}}
-    for (d, k, n), name in zip(TREES, names[1:]):
+    for (d, k, n), name in zip(trees, names[1:]):
         a = acc[name]
         rate = a["tokens"] / a["wall_s"]
         rows[name] = {"depth": d, "top_k": k, "total_tokens": n, "tau": a["accepted"] / a["forwards"],
@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trees", default=" ".join(",".join(map(str, t)) for t in TREES),
+                    help="space-separated depth,top_k,total_tokens triples (default: %(default)s)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "tree.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -127,7 +129,8 @@ def main() -> None:
     for n in sizes:
         print(f"  {n:3d} tokens  {cost[n] * 1000:6.1f} ms  = {cost[n] / cost[1]:.2f} x the 1-token step")
 
-    rows = sweep(target, head, held_out_prompts(target.tokenizer, args.prompts), args.max_new_tokens)
+    trees = [tuple(int(x) for x in t.split(",")) for t in args.trees.split()]
+    rows = sweep(target, head, held_out_prompts(target.tokenizer, args.prompts), args.max_new_tokens, trees)
     print(f"\n{args.prompts} held-out prompts x {args.max_new_tokens} tokens, greedy, head {train_dir}:")
     print(f"  vanilla                 {rows['vanilla']['tokens_per_s']:5.1f} tok/s")
     for name, r in rows.items():
