@@ -19,6 +19,9 @@ from pipeline.manifest import atomic_write_text
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when the cache layout changes
+# Llama-architecture families: the final norm is a Llama RMSNorm (weight * x_hat, not Gemma's
+# (1 + weight) * x_hat) and the logits are exactly lm_head(final norm), with no softcapping or logit scale.
+LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 @dataclass

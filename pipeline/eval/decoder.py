@@ -18,6 +18,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from pipeline.target import LLAMA_LIKE_MODEL_TYPES
+
 from .drafter import Drafter
 from .tree import TreeSpec
 from .verify import logits_to_probs, sample, verify_greedy, verify_sampling
@@ -114,10 +116,6 @@ def _new_cache(model: torch.nn.Module) -> DynamicCache:
     return cache
 
 
-# Model types whose logits are exactly lm_head(final-norm state): no softcapping or logit scale after it.
-_PLAIN_LM_HEAD = {"llama", "mistral", "qwen2", "qwen3"}
-
-
 class RowLogits:
     """Logits of a tree forward, computed one node at a time (`logits[node]` -> [V]) from the final-norm
     states [N,H]: verification reads only the accepted path and its stop node, so a 60-node tree pays for
@@ -136,7 +134,7 @@ class RowLogits:
 
 
 def supports_row_logits(model: torch.nn.Module) -> bool:
-    return model.config.model_type in _PLAIN_LM_HEAD and isinstance(model.get_output_embeddings(), torch.nn.Linear)
+    return model.config.model_type in LLAMA_LIKE_MODEL_TYPES and isinstance(model.get_output_embeddings(), torch.nn.Linear)
 
 
 def target_forward(

@@ -65,4 +65,3 @@ def main(cfg) -> dict:
                        speedup=summary.get("speedup"))
     print(f"[eval] {cfg.name}/{cfg.head.name}/{cfg.eval_run_name} -> {out_dir}\n{format_summary(summary)}")
     return summary
-

@@ -15,11 +15,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pipeline.target import LLAMA_LIKE_MODEL_TYPES
+
 from .common import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
 from .config import DraftHeadConfig
-
-# Targets whose final norm is a Llama RMSNorm (weight * x_hat, not Gemma's (1 + weight) * x_hat).
-_LLAMA_NORM = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -101,5 +100,5 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
         self.lm_head.weight.copy_(weight[ids.to(weight.device)])  # [V_draft, H]
         final_norm = getattr(target_model.base_model, "norm", None)
         # Only a Llama-convention RMSNorm (weight * x_hat) means the same thing in this head's RMSNorm.
-        if target_model.config.model_type in _LLAMA_NORM and final_norm is not None:
+        if target_model.config.model_type in LLAMA_LIKE_MODEL_TYPES and final_norm is not None:
             self.norm.weight.copy_(final_norm.weight)
