@@ -1,12 +1,15 @@
-"""Markdown table of every eval run of an experiment (complete or partial), for docs/results.md:
+"""Markdown tables for docs/results.md: every eval run of an experiment (complete or partial), then two heads
+compared on the turns both have answered (a partial run is compared on its questions only):
 
-    python -m pipeline.eval.table outputs/smollm2_quality
+    python -m pipeline.eval.table outputs/smollm2_quality [eagle3 eagle1]
 """
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+from pipeline.eval.progress import PARTIAL
 
 HEADER = ("| head | question set | T | questions | turns | tau | alpha_1..3 | speedup (CPU) | tokens/s spec / vanilla "
           "| tree (depth, top_k, tokens) |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -41,5 +44,42 @@ def table(experiment_dir: Path) -> str:
     return "\n".join([HEADER, *rows])
 
 
+def accept_lengths(run_dir: Path) -> dict[tuple[str, int], list[int]]:
+    """(question id, turn) -> accepted drafts per verification forward, from the resumable answers file."""
+    out = {}
+    for line in (run_dir / PARTIAL).read_text().splitlines()[1:]:  # line 1 names the run's identity
+        if not line.strip():
+            continue
+        for t in json.loads(line)["turns"]:
+            out[(str(t["question_id"]), int(t["turn"]))] = t["accept_lengths"]
+    return out
+
+
+def _tau(lengths: list[list[int]]) -> float:
+    flat = [a for turn in lengths for a in turn]
+    return sum(a + 1 for a in flat) / len(flat)
+
+
+def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> str:
+    """tau of heads a and b on the turns both answered, per eval run name both heads have, and a / b."""
+    rows = [f"| question set | T | turns both answered | tau {a} | tau {b} | {a} / {b} |", "|---|---|---|---|---|---|"]
+    eval_dir = Path(experiment_dir) / "eval"
+    for run_a in sorted((eval_dir / a).glob("*")):
+        run_b = eval_dir / b / run_a.name
+        if not ((run_a / PARTIAL).exists() and (run_b / PARTIAL).exists()):
+            continue
+        la, lb = accept_lengths(run_a), accept_lengths(run_b)
+        shared = sorted(la.keys() & lb.keys())
+        if not shared:
+            continue
+        ta, tb = _tau([la[k] for k in shared]), _tau([lb[k] for k in shared])
+        name, temp = run_a.name.rsplit("-T", 1)
+        rows.append(f"| {name} | {temp} | {len(shared)} | {ta:.2f} | {tb:.2f} | **{ta / tb:.2f}** |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
-    print(table(Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/smollm2_quality")))
+    exp = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/smollm2_quality")
+    print(table(exp))
+    print()
+    print(comparison(exp, *sys.argv[2:4]))
