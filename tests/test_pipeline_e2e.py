@@ -106,6 +106,7 @@ def test_eval_resumes_in_pieces_and_refuses_other_settings(chain):
     run_cli(piece)  # the last question
     summary = json.loads((ev / "pieces" / "summary.json").read_text())
     assert summary["complete"] and summary["turns"] == 4
+    assert len(summary["acceptance_by_depth"]) == 4 + 1  # eval.depth=4: paths of up to 5 drafts
     assert summary["baseline_turns"] == 1 and summary["greedy_matches_baseline"] == "1/1"
     assert load_manifest(ev / "pieces", "eval")["counts"]["turns"] == 4
     assert not (ev / "pieces" / "summary.partial.json").exists()

@@ -15,14 +15,14 @@ def tau_of(records: Sequence[TurnRecord]) -> float:
     return sum(a + 1 for a in lengths) / len(lengths) if lengths else float("nan")
 
 
-def acceptance_by_depth(records: Sequence[TurnRecord], depth: int) -> list[float]:
-    """alpha_d: P(draft token d accepted | drafts 1..d-1 accepted), d = 1..depth (n-alpha)."""
+def acceptance_by_depth(records: Sequence[TurnRecord], max_draft_len: int) -> list[float]:
+    """alpha_d: P(draft token d accepted | drafts 1..d-1 accepted), d = 1..max_draft_len (n-alpha)."""
     lengths = [a for r in records for a in r.accept_lengths]
-    reached = [len(lengths)] + [sum(a >= d for a in lengths) for d in range(1, depth + 1)]
-    return [reached[d] / reached[d - 1] if reached[d - 1] else float("nan") for d in range(1, depth + 1)]
+    reached = [len(lengths)] + [sum(a >= d for a in lengths) for d in range(1, max_draft_len + 1)]
+    return [reached[d] / reached[d - 1] if reached[d - 1] else float("nan") for d in range(1, max_draft_len + 1)]
 
 
-def summarize(records: Sequence[TurnRecord], settings: dict, depth: int) -> dict:
+def summarize(records: Sequence[TurnRecord], settings: dict, max_draft_len: int) -> dict:
     by_cat: dict[str, list[TurnRecord]] = defaultdict(list)
     for r in records:
         by_cat[r.category].append(r)
@@ -32,7 +32,7 @@ def summarize(records: Sequence[TurnRecord], settings: dict, depth: int) -> dict
     summary = {
         "tau": tau_of(records),
         "tau_per_category": {c: tau_of(rs) for c, rs in sorted(by_cat.items())},
-        "acceptance_by_depth": acceptance_by_depth(records, depth),
+        "acceptance_by_depth": acceptance_by_depth(records, max_draft_len),
         "settings": settings,
         "turns": len(records),
         "new_tokens": new_tokens,

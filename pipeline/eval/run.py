@@ -39,7 +39,8 @@ def main(cfg) -> dict:
     deadline = None if cfg.eval.time_budget_s is None else time.monotonic() + cfg.eval.time_budget_s
     records = answer_questions(target, head, questions, cfg.eval, system_prompt=cfg.data.system_prompt,
                                progress=progress, deadline=deadline)
-    summary = summarize(records, settings, cfg.eval.depth)
+    # A draft path holds up to depth + 1 tokens (EAGLE's round 0 plus `depth` expansions): report every level.
+    summary = summarize(records, settings, cfg.eval.depth + 1)
     n_done = len({r.question_id for r in records})
     summary.update(questions=len(questions), questions_done=n_done, complete=n_done == len(questions))
     summary["target"] = target.fingerprint

@@ -1,0 +1,43 @@
+"""Eval reporting: the summary's tau and acceptance by depth, and the head comparison of pipeline.eval.table
+(tau of two heads on the turns both answered, from the resumable answers files the eval stage writes)."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.eval.evaluate import TurnRecord
+from pipeline.eval.progress import EvalProgress
+from pipeline.eval.report import summarize
+from pipeline.eval.table import comparison
+
+
+def _record(qid: str, turn: int, lengths: list[int]) -> TurnRecord:
+    return TurnRecord(question_id=qid, category="c", turn=turn, prompt_tokens=5, new_tokens=sum(a + 1 for a in lengths),
+                      target_forwards=len(lengths), accept_lengths=lengths, wall_s=1.0, target_s=0.5, draft_s=0.4,
+                      other_s=0.1, answer="")
+
+
+def test_summary_counts_every_draft_level():
+    # depth 2 trees hold paths of up to 3 drafts; lengths per forward: 3, 0, 2, 1 (+ 1 bonus token each)
+    s = summarize([_record("1", 0, [3, 0]), _record("2", 0, [2, 1])], settings={}, max_draft_len=3)
+    assert s["tau"] == pytest.approx(10 / 4)
+    assert s["acceptance_by_depth"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert s["new_tokens"] == 10 and s["verification_forwards"] == 4
+
+
+def _write(run_dir, per_question: dict[str, list[list[int]]]) -> None:
+    progress = EvalProgress(run_dir, identity={"run": run_dir.name})
+    for qid, turns in per_question.items():
+        progress.append(qid, [_record(qid, t, lengths) for t, lengths in enumerate(turns)])
+
+
+def test_heads_are_compared_on_the_turns_both_answered(tmp_path):
+    exp = tmp_path / "exp"
+    _write(exp / "eval/eagle3/mt_bench-T0", {"1": [[3, 1], [0]], "2": [[2, 2]], "3": [[5, 5, 5]]})
+    _write(exp / "eval/eagle1/mt_bench-T0", {"1": [[1, 1], [1]], "2": [[0, 0]]})  # partial: no question 3
+    _write(exp / "eval/eagle3/gsm8k-n20-T0", {"1": [[1]]})  # no eagle1 run: no row
+    rows = comparison(exp).splitlines()
+    assert len(rows) == 3
+    # eagle3 on the shared 3 turns: (4 + 2 + 1 + 3 + 3) / 5 forwards; eagle1: (2 + 2 + 2 + 1 + 1) / 5
+    cells = [c.strip() for c in rows[2].strip("|").split("|")]
+    assert cells[:3] == ["mt_bench", "0", "3"]
+    assert [float(c.strip("*")) for c in cells[3:]] == pytest.approx([2.6, 1.6, 2.6 / 1.6], abs=5e-3)
