@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.eval.evaluate import TurnRecord
-from pipeline.eval.progress import EvalProgress
+from pipeline.eval.progress import PARTIAL, EvalProgress
 from pipeline.eval.report import summarize
 from pipeline.eval.table import comparison
 
@@ -41,3 +41,21 @@ def test_heads_are_compared_on_the_turns_both_answered(tmp_path):
     cells = [c.strip() for c in rows[2].strip("|").split("|")]
     assert cells[:3] == ["mt_bench", "0", "3"]
     assert [float(c.strip("*")) for c in cells[3:]] == pytest.approx([2.6, 1.6, 2.6 / 1.6], abs=5e-3)
+
+
+def test_a_torn_last_line_is_dropped_and_a_corrupt_middle_line_refused(tmp_path):
+    run = tmp_path / "run"
+    _write(run, {"1": [[1, 0]], "2": [[2]]})
+    path = run / PARTIAL
+    intact = path.read_text()
+    path.write_text(intact + '{"question_id": "3", "tu')  # killed mid-write
+    resumed = EvalProgress(run, identity={"run": "run"})
+    assert sorted(resumed.done) == ["1", "2"] and resumed.done["2"][0].accept_lengths == [2]
+    assert path.read_text() == intact  # the next append starts on a clean line
+    lines = intact.splitlines()
+    path.write_text("\n".join([lines[0], lines[1][:10], lines[2]]) + "\n")
+    with pytest.raises(ValueError, match=r"answers.partial.jsonl:2: corrupt line in the middle"):
+        EvalProgress(run, identity={"run": "run"})
+    path.write_text(intact)
+    with pytest.raises(ValueError, match="partial eval of another run"):
+        EvalProgress(run, identity={"run": "other settings"})

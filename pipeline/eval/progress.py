@@ -8,6 +8,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Optional
 
 from pipeline.eval.evaluate import TurnRecord, record_dict
 from pipeline.manifest import atomic_write_text
@@ -30,26 +31,18 @@ class EvalProgress:
             self._write_line({"identity": self.identity})
 
     def _load(self, overwrite: bool) -> None:
-        lines = self.path.read_text().splitlines()
-        header = json.loads(lines[0]) if lines else {}
-        if header.get("identity") != self.identity:
+        identity, self.done, kept_lines = read_answers(self.path)
+        if identity != self.identity:
             if not overwrite:
                 raise ValueError(f"{self.path}: partial eval of another run (settings, head or questions "
                                  "differ); rerun with eval.overwrite=true to discard it")
             log.warning("discarding %s (another run)", self.path)
             self.path.unlink()
+            self.done = {}
             return
-        for n, line in enumerate(lines[1:], start=2):
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError:  # a kill mid-write leaves at most the last line torn
-                if n != len(lines):
-                    raise ValueError(f"{self.path}:{n}: corrupt line in the middle of the file") from None
-                log.warning("%s:%d: dropping a torn last line", self.path, n)
-                atomic_write_text(self.path, "".join(line + "\n" for line in lines[: n - 1]))
-                break
-            self.done[doc["question_id"]] = [TurnRecord(**{k: v for k, v in r.items() if k in _FIELDS})
-                                             for r in doc["turns"]]
+        if kept_lines is not None:
+            log.warning("%s:%d: dropping a torn last line", self.path, len(kept_lines) + 1)
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept_lines))
         if self.done:
             log.info("resuming eval: %d questions already answered (%s)", len(self.done), self.path)
 
@@ -62,3 +55,20 @@ class EvalProgress:
             f.write(json.dumps(doc, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def read_answers(path: Path) -> tuple[dict, dict[str, list[TurnRecord]], Optional[list[str]]]:
+    """(identity, question id -> turn records, the intact lines if the last one is torn else None) of an
+    answers file. A kill mid-write leaves at most the last line torn; corruption elsewhere is an error."""
+    lines = Path(path).read_text().splitlines()
+    identity = json.loads(lines[0]).get("identity") if lines else None
+    done: dict[str, list[TurnRecord]] = {}
+    for n, line in enumerate(lines[1:], start=2):
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            if n != len(lines):
+                raise ValueError(f"{path}:{n}: corrupt line in the middle of the file") from None
+            return identity, done, lines[: n - 1]
+        done[doc["question_id"]] = [TurnRecord(**{k: v for k, v in r.items() if k in _FIELDS}) for r in doc["turns"]]
+    return identity, done, None

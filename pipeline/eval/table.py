@@ -9,7 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.eval.progress import PARTIAL
+from pipeline.eval.evaluate import TurnRecord
+from pipeline.eval.progress import PARTIAL, read_answers
+from pipeline.eval.report import tau_of
 
 HEADER = ("| head | question set | T | questions | turns | tau | alpha_1..3 | speedup (CPU) | tokens/s spec / vanilla "
           "| tree (depth, top_k, tokens) |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -44,20 +46,10 @@ def table(experiment_dir: Path) -> str:
     return "\n".join([HEADER, *rows])
 
 
-def accept_lengths(run_dir: Path) -> dict[tuple[str, int], list[int]]:
-    """(question id, turn) -> accepted drafts per verification forward, from the resumable answers file."""
-    out = {}
-    for line in (run_dir / PARTIAL).read_text().splitlines()[1:]:  # line 1 names the run's identity
-        if not line.strip():
-            continue
-        for t in json.loads(line)["turns"]:
-            out[(str(t["question_id"]), int(t["turn"]))] = t["accept_lengths"]
-    return out
-
-
-def _tau(lengths: list[list[int]]) -> float:
-    flat = [a for turn in lengths for a in turn]
-    return sum(a + 1 for a in flat) / len(flat)
+def turn_records(run_dir: Path) -> dict[tuple[str, int], TurnRecord]:
+    """(question id, turn) -> record, from the run's resumable answers file (complete or partial)."""
+    _, done, _ = read_answers(run_dir / PARTIAL)
+    return {(r.question_id, r.turn): r for records in done.values() for r in records}
 
 
 def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> str:
@@ -68,11 +60,11 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
         run_b = eval_dir / b / run_a.name
         if not ((run_a / PARTIAL).exists() and (run_b / PARTIAL).exists()):
             continue
-        la, lb = accept_lengths(run_a), accept_lengths(run_b)
-        shared = sorted(la.keys() & lb.keys())
+        ra, rb = turn_records(run_a), turn_records(run_b)
+        shared = sorted(ra.keys() & rb.keys())
         if not shared:
             continue
-        ta, tb = _tau([la[k] for k in shared]), _tau([lb[k] for k in shared])
+        ta, tb = tau_of([ra[k] for k in shared]), tau_of([rb[k] for k in shared])
         name, temp = run_a.name.rsplit("-T", 1)
         rows.append(f"| {name} | {temp} | {len(shared)} | {ta:.2f} | {tb:.2f} | **{ta / tb:.2f}** |")
     return "\n".join(rows)
