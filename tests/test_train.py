@@ -24,7 +24,7 @@ from pipeline.hidden_states.reader import DumpReader
 from pipeline.manifest import ManifestError, digest_file, load_manifest
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import HeadConfig, TrainConfig
-from pipeline.train.data import StepSchedule, collate, epoch_batches, pack, split_train_val
+from pipeline.train.data import StepSchedule, collate, epoch_batches, pack, split_train_val, subsample
 from pipeline.train.loop import lr_factor
 from pipeline.train.metrics import read_metrics
 
@@ -111,6 +111,17 @@ def test_split_is_seeded_disjoint_and_complete():
     assert split_train_val(41, 0.15, seed=0) == (train, val)
     assert split_train_val(41, 0.15, seed=1)[1] != val
     assert len(split_train_val(5, 0.01, seed=0)[1]) == 1  # a positive fraction always holds out a row
+
+
+def test_train_fraction_keeps_nested_seeded_subsets_of_the_training_rows():
+    train, val = split_train_val(200, 0.05, seed=0)
+    half, quarter = subsample(train, 0.5, seed=0), subsample(train, 0.25, seed=0)
+    assert len(half) == 95 and len(quarter) == 48 and set(quarter) < set(half) < set(train)
+    assert not set(half) & set(val) and half == sorted(half)
+    assert subsample(train, 0.5, seed=0) == half and subsample(train, 0.5, seed=1) != half
+    assert subsample(train, 1.0, seed=0) == train and subsample(train, 0.001, seed=0) != []
+    with pytest.raises(ValueError, match="train_fraction"):
+        subsample(train, 0.0, seed=0)
 
 
 def test_packing_respects_the_token_budget_and_covers_every_row_once():
@@ -304,9 +315,12 @@ def test_eagle1_trains_and_a_rerun_of_a_finished_stage_changes_nothing(dump_root
     from pipeline.train.run import main
 
     d = overrides(dump_root, tiny_model_dir, "eagle1", "e1", **{"max_steps": 6, "save_every": 3,
-                                                                  "eval_every": 3})
+                                                                  "eval_every": 3, "train_fraction": 0.5})
     main(as_config(d))
     train_dir = dump_root / EXPERIMENT / "train" / "e1"
+    counts = load_manifest(train_dir, "train")["counts"]
+    n_train = len(split_train_val(len(DumpReader(dump_root / EXPERIMENT / "dump")), 0.15, 0)[0])
+    assert counts["train_rows"] == len(subsample(range(n_train), 0.5, 0)) < n_train
     records = read_metrics(train_dir / "metrics.jsonl")
     last = [r for r in records if "train/loss" in r][-1]
     assert last["step"] == 6 and {"train/feature_loss", "train/token_loss", "train/acc_0"} <= set(last)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 # Independent numpy streams per purpose: changing how one is drawn never shifts another.
-_SPLIT_STREAM, _EPOCH_STREAM = 1, 2
+_SPLIT_STREAM, _EPOCH_STREAM, _SUBSET_STREAM = 1, 2, 3
 
 
 def split_train_val(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -26,6 +26,19 @@ def split_train_val(n: int, val_fraction: float, seed: int) -> tuple[list[int], 
     if val_fraction > 0 and n >= 2:
         n_val = min(max(n_val, 1), n - 1)
     return sorted(perm[n_val:].tolist()), sorted(perm[:n_val].tolist())
+
+
+def subsample(indices: Sequence[int], fraction: float, seed: int) -> list[int]:
+    """A seeded random `fraction` of the training rows, for data-scaling runs. The permutation depends only
+    on the number of rows, so a smaller fraction is a subset of a larger one and runs at several fractions
+    differ only by the rows added."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"train.train_fraction must be in (0, 1], got {fraction}")
+    if fraction == 1.0:
+        return list(indices)
+    rng = np.random.default_rng([seed, _SUBSET_STREAM])
+    keep = rng.permutation(len(indices))[:max(1, int(round(len(indices) * fraction)))]
+    return sorted(int(indices[j]) for j in keep)
 
 
 def pack(indices: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -23,7 +23,7 @@ from pipeline.manifest import MANIFEST, digest_file, to_plain, write_manifest
 from pipeline.target import load_target
 
 from . import checkpoint as ckpt
-from .data import prompt_of, split_train_val, truncated_lengths
+from .data import prompt_of, split_train_val, subsample, truncated_lengths
 from .heads.common import build_draft_head
 from .heads.config import DraftHeadConfig
 from .loop import TauProbe, Trainer, build_objective
@@ -68,6 +68,7 @@ def train(cfg, par: Parallel) -> dict:
                         expect_layer_ids=layer_ids if hcfg.kind == "eagle3" else None)
     lengths = truncated_lengths(reader.lengths, tcfg.max_length)
     train_idx, val_idx = split_train_val(len(reader), tcfg.val_fraction, tcfg.seed)
+    train_idx = subsample(train_idx, tcfg.train_fraction, tcfg.seed)
     log.info("dump %s: %d rows (%d train / %d validation), %d tokens", dump_dir, len(reader), len(train_idx),
              len(val_idx), reader.num_tokens)
 
