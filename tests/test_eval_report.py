@@ -2,8 +2,11 @@
 (tau of two heads on the turns both answered, from the resumable answers files the eval stage writes)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from pipeline.eval.decoder import GenerationResult
 from pipeline.eval.evaluate import TurnRecord
 from pipeline.eval.progress import PARTIAL, EvalProgress
 from pipeline.eval.report import summarize
@@ -22,6 +25,15 @@ def test_summary_counts_every_draft_level():
     assert s["tau"] == pytest.approx(10 / 4)
     assert s["acceptance_by_depth"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
     assert s["new_tokens"] == 10 and s["verification_forwards"] == 4
+
+
+def test_one_generation_and_a_set_of_turns_count_acceptance_alike():
+    one = GenerationResult(tokens=[], accept_lengths=[0, 1, 3])
+    assert one.tau == pytest.approx(7 / 3) and one.acceptance_by_depth() == pytest.approx([2 / 3, 1 / 2, 1.0])
+    levels = summarize([_record("1", 0, [0, 1, 3])], settings={}, max_draft_len=5)["acceptance_by_depth"]
+    assert levels[:4] == pytest.approx([2 / 3, 1 / 2, 1.0, 0.0]) and math.isnan(levels[4])  # none reached 4
+    empty = GenerationResult(tokens=[])
+    assert math.isnan(empty.tau) and empty.acceptance_by_depth() == []
 
 
 def _write(run_dir, per_question: dict[str, list[list[int]]]) -> None:

@@ -51,7 +51,7 @@ def test_tree_decoding_equals_hf_generate(tiny_model, references, case):
     assert result.n_target_forwards == len(result.accept_lengths) < N_NEW / 4
     assert result.tau == pytest.approx(mean_accepted + 1)
     assert max(result.accept_lengths) <= 7  # depth + 1 draft tokens at most
-    assert result.accepted_at_depth[0] <= len(result.accept_lengths)
+    assert len(result.acceptance_by_depth()) == max(result.accept_lengths)  # a level per accepted depth
     assert all(0 <= a <= 1 for a in result.acceptance_by_depth())
 
 

@@ -25,6 +25,22 @@ from .tree import TreeSpec
 from .verify import logits_to_probs, sample, verify_greedy, verify_sampling
 
 
+def mean_accepted_tokens(accept_lengths: Sequence[int]) -> float:
+    """tau, as the official EAGLE code defines it: tokens emitted per verification forward (accepted drafts
+    plus the target's bonus token), averaged over forwards; nan when there were none."""
+    if not accept_lengths:
+        return float("nan")
+    return sum(a + 1 for a in accept_lengths) / len(accept_lengths)
+
+
+def acceptance_rates(accept_lengths: Sequence[int], max_draft_len: Optional[int] = None) -> list[float]:
+    """n-alpha: alpha_d = P(draft d accepted | drafts 1..d-1 accepted) for d = 1..max_draft_len (default:
+    the deepest accepted draft); nan where no forward accepted d-1 drafts."""
+    depth = max(accept_lengths, default=0) if max_draft_len is None else max_draft_len
+    reached = [len(accept_lengths)] + [sum(a >= d for a in accept_lengths) for d in range(1, depth + 1)]
+    return [reached[d] / reached[d - 1] if reached[d - 1] else float("nan") for d in range(1, depth + 1)]
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]  # generated ids (prompt excluded), truncated at EOS (kept) or max_new_tokens
@@ -40,21 +56,10 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        """Mean tokens emitted per verification forward (accepted drafts + the bonus token)."""
-        if not self.accept_lengths:
-            return float("nan")
-        return sum(a + 1 for a in self.accept_lengths) / len(self.accept_lengths)
-
-    @property
-    def accepted_at_depth(self) -> list[int]:
-        """n-alpha counts: entry d-1 = verifications that accepted at least d draft tokens."""
-        top = max(self.accept_lengths, default=0)
-        return [sum(a >= d for a in self.accept_lengths) for d in range(1, top + 1)]
+        return mean_accepted_tokens(self.accept_lengths)
 
     def acceptance_by_depth(self) -> list[float]:
-        """alpha_d = P(draft token d accepted | tokens 1..d-1 accepted), for d = 1..max accepted depth."""
-        reached = [len(self.accept_lengths)] + self.accepted_at_depth
-        return [reached[d] / reached[d - 1] for d in range(1, len(reached))]
+        return acceptance_rates(self.accept_lengths)
 
 
 class _Clock:

@@ -6,20 +6,21 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pipeline.eval.decoder import acceptance_rates, mean_accepted_tokens
 from pipeline.eval.evaluate import TurnRecord
 
 
+def _accept_lengths(records: Sequence[TurnRecord]) -> list[int]:
+    return [a for r in records for a in r.accept_lengths]
+
+
 def tau_of(records: Sequence[TurnRecord]) -> float:
-    """sum over verification forwards of (accepted drafts + 1) / number of verification forwards."""
-    lengths = [a for r in records for a in r.accept_lengths]
-    return sum(a + 1 for a in lengths) / len(lengths) if lengths else float("nan")
+    """tau over every verification forward of these turns (not a mean of per-turn taus)."""
+    return mean_accepted_tokens(_accept_lengths(records))
 
 
 def acceptance_by_depth(records: Sequence[TurnRecord], max_draft_len: int) -> list[float]:
-    """alpha_d: P(draft token d accepted | drafts 1..d-1 accepted), d = 1..max_draft_len (n-alpha)."""
-    lengths = [a for r in records for a in r.accept_lengths]
-    reached = [len(lengths)] + [sum(a >= d for a in lengths) for d in range(1, max_draft_len + 1)]
-    return [reached[d] / reached[d - 1] if reached[d - 1] else float("nan") for d in range(1, max_draft_len + 1)]
+    return acceptance_rates(_accept_lengths(records), max_draft_len)
 
 
 def summarize(records: Sequence[TurnRecord], settings: dict, max_draft_len: int) -> dict:
