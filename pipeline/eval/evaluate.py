@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from pipeline.data.chat import render_prompt
 from pipeline.eval.config import EvalConfig
-from pipeline.eval.decoder import GenerationResult, generate, vanilla_generate
+from pipeline.eval.decoder import GenerationResult, generate, mean_accepted_tokens, vanilla_generate
 from pipeline.eval.drafter import EagleDrafter
 from pipeline.eval.questions import Question
 
@@ -41,7 +41,8 @@ class TurnRecord:
 
     @property
     def tau(self) -> float:
-        return sum(a + 1 for a in self.accept_lengths) / max(1, len(self.accept_lengths))
+        # 0, not nan, for a turn with no verification forward (EOS at prefill): it is written into answers JSON.
+        return mean_accepted_tokens(self.accept_lengths) if self.accept_lengths else 0.0
 
 
 def stop_token_ids(target_model, tokenizer) -> set[int]:
