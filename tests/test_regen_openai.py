@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,8 @@ from pipeline.regen.openai_backend import OpenAIBackend, ServerUnavailable
 from pipeline.regen.shards import regen_sources
 from pipeline.target import TargetConfig, packaged_gguf
 
+from llama_cpp_check import describe_exit
+
 N_CTX = 512
 
 
@@ -34,10 +37,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class LlamaServer:
+    """A llama.cpp server process on 127.0.0.1 and its log. `diagnose()` says whether it is alive or how it
+    died, with the end of its own log: every assertion on a served run carries it, so a server that dies or
+    answers nothing fails the test with its signal and log instead of a wall of connection errors."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path, base_url: str):
+        self.proc, self.log, self.base_url = proc, log, base_url
+
+    def diagnose(self, lines: int = 25) -> str:
+        code = self.proc.poll()
+        state = "is running" if code is None else f"died: {describe_exit(code)}"
+        tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return f"llama.cpp server {state}; the end of its log ({self.log}):\n{tail}"
+
+    def chat(self, content: str, max_tokens: int = 8) -> str:
+        """One real multi-token chat completion at temperature 0 (the readiness probe: a server can list
+        its models and still crash or answer empty on every chat request)."""
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0.0}
+        request = urllib.request.Request(self.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["choices"][0]["message"]["content"] or ""
+
+    def wait_ready(self, deadline_s: float = 120) -> None:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"llama.cpp server did not start. {self.diagnose()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/models", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"llama.cpp server did not answer /models in {deadline_s:.0f} s. {self.diagnose()}")
+                time.sleep(0.5)
+        try:
+            answer = self.chat("Why do cats purr? Answer in a sentence.")
+        except OSError as e:
+            time.sleep(0.5)  # let a crashing server finish dying, so diagnose() reports its signal
+            pytest.fail(f"llama.cpp server failed a chat completion ({e!r}). {self.diagnose()}")
+        if not answer.strip():
+            pytest.fail(f"llama.cpp server answered a chat completion with no text. {self.diagnose()}")
+
+
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
     if importlib.util.find_spec("llama_cpp") is None:
-        message = "llama-cpp-python[server] is not installed (pip install -e '.[test]')"
+        message = "llama-cpp-python[server] is not installed (make install-llama-cpp)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)
@@ -49,18 +96,10 @@ def llama_server(tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
              "--n_threads", "2", "--n_ctx", str(N_CTX)], stdout=f, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}/v1"
+    server = LlamaServer(proc, log, f"http://127.0.0.1:{port}/v1")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(base_url + "/models", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"llama.cpp server did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
-        yield base_url
+        server.wait_ready()
+        yield server
     finally:
         proc.terminate()
         try:
@@ -89,12 +128,13 @@ def test_openai_backend_regenerates_and_records_failures(tmp_path, llama_server,
         {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}]},
         {"id": "too-long", "messages": [{"role": "user", "content": "word " * (2 * N_CTX)}]},
     ]
-    cfg = _cfg(tmp_path, llama_server, rows, "served")
+    cfg = _cfg(tmp_path, llama_server.base_url, rows, "served")
     summary = regen_run.main(cfg)
     out = cfg.stage_dir("regen")
     manifest = load_manifest(out, expect_stage="regen")
 
-    assert summary["written"] == 3 and manifest["counts"]["failures_by_reason"] == {"http_400": 1}
+    assert summary["written"] == 3 and manifest["counts"]["failures_by_reason"] == {"http_400": 1}, (
+        f"{manifest['counts']['failures_by_reason']}; {llama_server.diagnose()}")
     [error_file] = manifest["errors"]
     [error] = [json.loads(line) for line in (out / error_file["path"]).read_text().splitlines()]
     assert error["id"] == "too-long" and error["reason"] == "http_400" and error["attempts"] == 1  # not retried
@@ -110,12 +150,12 @@ def test_openai_backend_regenerates_and_records_failures(tmp_path, llama_server,
     assert manifest["generation"]["served_model"].endswith(".gguf")
     # The served model's fingerprint: the local target's architecture and tokenizer, weights unknown.
     fp = manifest["target"]
-    assert fp["weights_digest"] is None and fp["served"]["base_url"] == llama_server
+    assert fp["weights_digest"] is None and fp["served"]["base_url"] == llama_server.base_url
     for key in ("config_digest", "tokenizer_digest"):
         assert fp[key] == smollm2.fingerprint[key]
 
     # At temperature 0 the server is deterministic: a second run answers identically.
-    again = _cfg(tmp_path, llama_server, rows, "served-again")
+    again = _cfg(tmp_path, llama_server.base_url, rows, "served-again")
     regen_run.main(again)
     shard = lambda c: sorted((c.stage_dir("regen") / "shards").glob("*.jsonl"))  # noqa: E731
     assert [p.read_text() for p in shard(cfg)] == [p.read_text() for p in shard(again)]
@@ -124,10 +164,10 @@ def test_openai_backend_regenerates_and_records_failures(tmp_path, llama_server,
 @pytest.mark.slow
 def test_timeouts_are_retried_then_recorded(tmp_path, llama_server):
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Count to {i + 3}."}]} for i in range(2)]
-    cfg = _cfg(tmp_path, llama_server, rows, "timeouts", timeout_s=0.001, max_retries=1, backoff_s=0.01)
+    cfg = _cfg(tmp_path, llama_server.base_url, rows, "timeouts", timeout_s=0.001, max_retries=1, backoff_s=0.01)
     cfg.regen.max_new_tokens = 2
     summary = regen_run.main(cfg)
-    assert summary["written"] == 0 and summary["failures_by_reason"] == {"timeout": 2}
+    assert summary["written"] == 0 and summary["failures_by_reason"] == {"timeout": 2}, llama_server.diagnose()
     out = cfg.stage_dir("regen")
     errors = [json.loads(line) for e in load_manifest(out)["errors"]
               for line in (out / e["path"]).read_text().splitlines()]
@@ -138,3 +178,53 @@ def test_unreachable_server_fails_fast():
     cfg = OpenAIBackendConfig(base_url=f"http://127.0.0.1:{_free_port()}/v1", max_retries=1, backoff_s=0.01)
     with pytest.raises(ServerUnavailable, match="connection_error"):
         OpenAIBackend(cfg, max_new_tokens=4)
+
+
+def test_server_probe_reports_the_signal_and_log_of_a_dead_server(tmp_path):
+    """The fixture's probe, on a server that crashes the way the AMX build did: the failure names the signal
+    and quotes the server's own log."""
+    log = tmp_path / "server.log"
+    crash = "import os, signal; print('loading model', flush=True); os.kill(os.getpid(), signal.SIGILL)"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", crash], stdout=f, stderr=subprocess.STDOUT)
+    proc.wait(timeout=30)
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)died: killed by SIGILL.*loading model"):
+        LlamaServer(proc, log, f"http://127.0.0.1:{_free_port()}/v1").wait_ready(deadline_s=5)
+
+
+def test_server_probe_refuses_a_server_that_answers_chat_with_nothing(tmp_path):
+    """A server that lists its models but answers every chat request with empty text is not ready."""
+    import http.server
+    import threading
+
+    class Empty(http.server.BaseHTTPRequestHandler):
+        def _send(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            self._send({"data": [{"id": "m.gguf"}]})
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send({"choices": [{"message": {"content": ""}}]})
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Empty)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    log = tmp_path / "server.log"
+    log.write_text("serving\n")
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        server = LlamaServer(idle, log, f"http://127.0.0.1:{httpd.server_port}/v1")
+        with pytest.raises(pytest.fail.Exception, match=r"(?s)no text.*is running.*serving"):
+            server.wait_ready(deadline_s=5)
+    finally:
+        httpd.shutdown()
+        idle.kill()
+        idle.wait()
