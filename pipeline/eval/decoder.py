@@ -8,6 +8,7 @@ drafter receives the target states of the accepted positions from that same forw
 """
 from __future__ import annotations
 
+import inspect
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -142,6 +144,18 @@ def supports_row_logits(model: torch.nn.Module) -> bool:
     return model.config.model_type in LLAMA_LIKE_MODEL_TYPES and isinstance(model.get_output_embeddings(), torch.nn.Linear)
 
 
+# transformers >= 5.24 (the version constraints.txt pins) captures only the hidden states listed in
+# `output_hidden_states`, indexed like the full tuple; older 5.x (5.17 on the GPU kit's machine) reads a list
+# differently, so there every state is captured (the same tuple, `True`) and the listed ones picked.
+SELECTIVE_HIDDEN_STATES = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward's name for the KV cache: `cache` in transformers >= 5.2x (which still accepts the older
+    `past_key_values`, deprecated), `past_key_values` before (5.17 on the GPU kit's machine ignores `cache`)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def target_forward(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -158,11 +172,12 @@ def target_forward(
     -1 = the last entry, which HF ties to the output of the final norm). Only those are captured.
     row_logits=True (plain-lm_head models only) skips lm_head in the forward and returns RowLogits."""
     captured = list(feature_layers) + ([-1] if row_logits and -1 not in feature_layers else [])
-    kwargs = {"output_hidden_states": captured} if captured else {}
+    kwargs = {"output_hidden_states": captured if SELECTIVE_HIDDEN_STATES else True} if captured else {}
     if row_logits:  # an empty index selects no rows: the forward stops at the final norm
         logits_to_keep = torch.empty(0, dtype=torch.long, device=input_ids.device)
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
-                use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+    kwargs[cache_kwarg(model)] = cache
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
+                logits_to_keep=logits_to_keep, **kwargs)
     states = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1)[0] if feature_layers else None
     if row_logits:
         return RowLogits(model.get_output_embeddings(), out.hidden_states[-1][0]), states
