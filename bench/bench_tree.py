@@ -41,9 +41,12 @@ TREES = [(6, 10, 60), (5, 8, 32), (4, 6, 16), (3, 4, 8), (2, 1, 4), (1, 1, 3)]
 
 
 def forward_cost(model, sizes: list[int], prefix_len: int = 400, reps: int = 7) -> dict[int, float]:
-    """Median seconds of one verification forward of n tokens after a prefix_len-token cache."""
+    """Median seconds of one verification forward of n tokens after a prefix_len-token cache, on the model's
+    own device (CUDA timings synchronize before reading the clock)."""
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.config.vocab_size, (1, prefix_len), generator=gen)
+    prefix = torch.randint(0, model.config.vocab_size, (1, prefix_len), generator=gen).to(device)
     row_logits = supports_row_logits(model)
     out = {}
     for n in sizes:
@@ -51,13 +54,15 @@ def forward_cost(model, sizes: list[int], prefix_len: int = 400, reps: int = 7) 
         for _ in range(reps):
             cache = _new_cache(model)
             target_forward(model, prefix, cache, logits_to_keep=1)
-            ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
-            pos = torch.arange(prefix_len, prefix_len + n)[None]
+            ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device)
+            pos = torch.arange(prefix_len, prefix_len + n, device=device)[None]
             # A causal block stands in for the tree mask: same shapes, same kernels.
-            mask = torch.zeros(1, 1, n, prefix_len + n)
-            mask[..., prefix_len:] = torch.triu(torch.full((n, n), float("-inf")), 1)
+            mask = torch.zeros(1, 1, n, prefix_len + n, dtype=model.dtype, device=device)
+            mask[..., prefix_len:] = torch.triu(torch.full((n, n), float("-inf"), device=device), 1).to(model.dtype)
+            sync()
             t0 = time.perf_counter()
             target_forward(model, ids, cache, position_ids=pos, attention_mask=mask, row_logits=row_logits)
+            sync()
             times.append(time.perf_counter() - t0)
         out[n] = statistics.median(times)
     return out

@@ -108,11 +108,15 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     return path
 
 
+# The device of the tiny fp32 model: cpu here; the GPU kit (bench/gpu) runs the lossless tests with cuda.
+TEST_DEVICE = os.environ.get("EAGLET_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).to(TEST_DEVICE).eval()
 
 
 @pytest.fixture(scope="session")

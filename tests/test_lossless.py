@@ -27,6 +27,7 @@ def chat_ids(tokenizer, question: str) -> torch.Tensor:
 
 
 def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos=None) -> list[int]:
+    prompt = prompt.to(model.device)
     out = model.generate(prompt[None], do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                          pad_token_id=0, attention_mask=torch.ones_like(prompt[None]))
     return out[0, len(prompt):].tolist()
@@ -120,6 +121,7 @@ def test_row_logits_equal_the_full_lm_head(tiny_model, references):
 
     assert supports_row_logits(tiny_model)
     prompt, _ = references[1]
+    prompt = prompt.to(tiny_model.device)
     full, states = target_forward(tiny_model, prompt[None], _new_cache(tiny_model), (1, -1))
     lazy, lazy_states = target_forward(tiny_model, prompt[None], _new_cache(tiny_model), (1, -1), row_logits=True)
     assert isinstance(lazy, RowLogits) and len(lazy) == len(prompt) and not lazy.rows

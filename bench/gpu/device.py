@@ -1,0 +1,239 @@
+"""The device side of the GPU kit: run on the lent machine by `bash bench/gpu/device.sh <call>` (see kit.py).
+
+Each call is a list of phases. A phase is one command with its own time budget; its status, wall time and
+figures go into $OUT/results.json as soon as it ends, so a call stopped at its limit still returns what
+finished. Call 1 (no GGUF needed): the environment, the carried wheels, the CUDA lossless tests on tiny
+models (exact tokens in fp32) and the bf16 tie check. Call 2 (same machine, still warm): the target rebuilt
+from the GGUF halves, the demo chain on CUDA, then the GPU-scale quality run (regen, dump, train EAGLE-3, eval
+on MT-bench at T=0 against vanilla, verification cost by tree size) and the head's export, split into files
+that fit what comes back.
+
+`--profile dryrun` runs the same phases here on CPU against a tiny model with small budgets (kit.py
+--dry-run); `--profile gpu` is the lent H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kitfiles  # noqa: E402  (bench/gpu/kitfiles.py: parts, wheels and limits shared with kit.py)
+
+
+@dataclass
+class Profile:
+    """Budgets (seconds) and sizes of one kind of run. `gpu` must fit the device calls (kit.py checks)."""
+
+    device: str
+    budgets: dict
+    quality_limit: int | None  # conversations regenerated in the quality run (None: the whole set)
+    regen_batch: int
+    regen_tokens: int
+    train_epochs: int
+    eval_limit: int
+    eval_tokens: int
+    micro_batch_tokens: int
+    demo_overrides: list = field(default_factory=list)
+
+
+PROFILES = {
+    "gpu": Profile(
+        device="cuda",
+        budgets={"env": 20, "install": 20, "lossless_cuda": 90, "bf16_ties": 40,  # call 1: 170 s
+                 "target": 45, "demo": 90, "regen": 85, "dump": 25, "train": 60, "eval": 55, "tree_cost": 15,
+                 "export": 15},  # call 2: 410 s
+        quality_limit=None, regen_batch=256, regen_tokens=384, train_epochs=4, eval_limit=80, eval_tokens=256,
+        micro_batch_tokens=16384),
+    "dryrun": Profile(
+        device="cpu",
+        budgets={"env": 20, "install": 20, "lossless_cuda": 90, "bf16_ties": 40,
+                 "target": 45, "demo": 100, "regen": 60, "dump": 25, "train": 60, "eval": 40, "tree_cost": 15,
+                 "export": 15},
+        quality_limit=24, regen_batch=8, regen_tokens=16, train_epochs=1, eval_limit=2, eval_tokens=16,
+        micro_batch_tokens=1024,
+        demo_overrides=["regen.max_new_tokens=16", "train.epochs=1", "eval.max_new_tokens=16", "eval.limit=2"]),
+}
+CALL_PHASES = {1: ["env", "install", "lossless_cuda", "bf16_ties"],
+               2: ["install", "target", "demo", "regen", "dump", "train", "eval", "tree_cost", "export"]}
+
+
+class Run:
+    """Runs phases in order and rewrites results.json after each one."""
+
+    def __init__(self, call: int, profile: Profile, out: Path, stash: Path, carried: Path, target: str | None):
+        self.call, self.profile, self.out, self.stash, self.carried = call, profile, out, stash, carried
+        self.target = target
+        self.results = {"call": call, "profile": profile.device, "phases": {}}
+        self.log = open(out / f"call{call}.log", "a")
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
+                        TOKENIZERS_PARALLELISM="false", EAGLET_CACHE=str(stash / "cache"),
+                        PYTHONPATH=os.pathsep.join([str(stash / "site"), str(REPO), os.environ.get("PYTHONPATH", "")]))
+        self.outputs = stash / "outputs"
+
+    def save(self) -> None:
+        kitfiles.atomic_json(self.out / f"results{self.call}.json", self.results)
+
+    def sh(self, args: list[str], budget: float, **kw) -> subprocess.CompletedProcess:
+        self.log.write(f"$ {' '.join(args)}\n")
+        self.log.flush()
+        return subprocess.run(args, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                              timeout=budget, check=True, **kw)
+
+    def pipeline(self, stage: str, experiment: str, overrides: list[str], budget: float):
+        args = [sys.executable, "-m", "pipeline.run", f"stage={stage}", f"experiment={experiment}",
+                f"output_root={self.outputs}", f"target.device={self.profile.device}", *self.target_overrides(),
+                *overrides]
+        return self.sh(args, budget)
+
+    def target_overrides(self) -> list[str]:
+        return [f"target.path={self.target}"] if self.target else []
+
+    def phase(self, name: str) -> None:
+        budget = self.profile.budgets[name]
+        t0 = time.monotonic()
+        record = {"budget_s": budget}
+        try:
+            record.update(getattr(self, f"do_{name}")(budget) or {})
+            record["status"] = "ok"
+        except subprocess.TimeoutExpired:
+            record["status"] = "timeout"
+        except Exception as e:  # a phase failure is recorded and the call goes on where it can
+            record.update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])
+        record["wall_s"] = round(time.monotonic() - t0, 1)
+        self.results["phases"][name] = record
+        self.log.write(f"--- {name}: {record['status']} in {record['wall_s']} s\n")
+        self.log.flush()
+        self.save()
+
+    # -- call 1 ------------------------------------------------------------------------------------------
+
+    def do_env(self, budget):
+        code = ("import json, torch, transformers; print(json.dumps({'torch': torch.__version__, 'transformers': "
+                "transformers.__version__, 'cuda': torch.cuda.is_available(), 'gpu': torch.cuda.get_device_name() "
+                "if torch.cuda.is_available() else None, 'python': __import__('sys').version.split()[0]}))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=budget, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def do_install(self, budget):
+        """The carried wheels into the stash (never a registry); the device's own torch/transformers stay."""
+        wheels = sorted((self.carried / "wheels").glob("*.whl"))
+        self.sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                 "--no-cache-dir", "--upgrade", "--target", str(self.stash / "site"), *map(str, wheels)], budget)
+        self.sh([sys.executable, "-c", "import hydra, omegaconf, gguf, pipeline.run"], budget)
+        return {"wheels": [w.name for w in wheels]}
+
+    def do_lossless_cuda(self, budget):
+        self.env["EAGLET_TEST_DEVICE"] = self.profile.device
+        junit = self.stash / "lossless.xml"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_lossless.py",
+                               "-m", "not slow", f"--junitxml={junit}"], cwd=REPO, env=self.env, stdout=self.log,
+                              stderr=subprocess.STDOUT, timeout=budget)
+        summary = kitfiles.junit_counts(junit)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pytest exit {proc.returncode}: {summary}")
+        return summary
+
+    def do_bf16_ties(self, budget):
+        out = self.stash / "ties.json"
+        self.sh([sys.executable, str(Path(__file__).with_name("checks.py")), "--device", self.profile.device,
+                 "--out", str(out)], budget)
+        return json.loads(out.read_text())
+
+    # -- call 2 ------------------------------------------------------------------------------------------
+
+    def do_target(self, budget):
+        """The GGUF from its two halves (one carried by each call; the first kept in the stash), checked."""
+        if self.target:  # dry run: a tiny local model stands in for the target; the halves are still checked
+            path = kitfiles.join_parts(self.stash / "parts", self.carried / "parts", self.stash / "joined")
+            return {"target": "tiny (dry run)", "gguf_bytes": path.stat().st_size}
+        path = kitfiles.join_parts(self.stash / "parts", self.carried / "parts", self.stash / "target")
+        self.target = str(path)
+        self.sh([sys.executable, "-c", "import sys; from pipeline.target import TargetConfig, load_target; "
+                 f"load_target(TargetConfig(path=sys.argv[1], device='{self.profile.device}'))", str(path)], budget)
+        return {"gguf_bytes": path.stat().st_size}
+
+    def do_demo(self, budget):
+        t0 = time.monotonic()
+        self.pipeline("all", "demo", ["export.format=sglang", *self.profile.demo_overrides], budget)
+        summary = kitfiles.first_json(self.outputs / "demo" / "eval", "summary.json")
+        return {"seconds": round(time.monotonic() - t0, 1), "eval": kitfiles.pick_summary(summary)}
+
+    def quality(self, stage: str, budget: float, extra: list[str]):
+        p = self.profile
+        data = str(self.carried / "data" / "quality.jsonl.gz")
+        source = f"{{path: '{data}', limit: {p.quality_limit}}}" if p.quality_limit else f"'{data}'"
+        overrides = [f"data.sources=[{source}]", f"regen.batch_size={p.regen_batch}",
+                     f"regen.max_new_tokens={p.regen_tokens}", f"train.epochs={p.train_epochs}",
+                     f"train.micro_batch_tokens={p.micro_batch_tokens}",
+                     f"eval.questions={self.carried / 'data' / 'mt_bench.jsonl'}", f"eval.limit={p.eval_limit}",
+                     f"eval.max_new_tokens={p.eval_tokens}", *extra]
+        return self.pipeline(stage, "gpu_kit", overrides, budget)
+
+    def do_regen(self, budget):
+        """Regenerate under a budget; what finished becomes the dump's input (finalize_partial)."""
+        try:
+            self.quality("regen", budget - 15, [])
+        except subprocess.TimeoutExpired:
+            self.quality("regen", 15, ["regen.finalize_partial=true"])
+        return kitfiles.counts(self.outputs / "gpu_kit" / "regen" / "manifest.json")
+
+    def do_dump(self, budget):
+        self.quality("dump", budget, [])
+        return kitfiles.counts(self.outputs / "gpu_kit" / "dump" / "manifest.json")
+
+    def do_train(self, budget):
+        self.quality("train", budget, [])
+        return kitfiles.train_figures(self.outputs / "gpu_kit" / "train" / "eagle3")
+
+    def do_eval(self, budget):
+        self.quality("eval", budget, [f"eval.time_budget_s={max(5, budget - 25)}", "eval.baseline_limit=10"])
+        summary = kitfiles.first_json(self.outputs / "gpu_kit" / "eval", "summary*.json")
+        return kitfiles.pick_summary(summary)
+
+    def do_tree_cost(self, budget):
+        out = self.stash / "tree_cost.json"
+        self.sh([sys.executable, str(Path(__file__).with_name("checks.py")), "--device", self.profile.device,
+                 "--tree-cost", "--out", str(out), *(["--target", self.target] if self.target else [])], budget)
+        return json.loads(out.read_text())
+
+    def do_export(self, budget):
+        self.quality("export", budget, ["export.format=sglang"])
+        export = self.outputs / "gpu_kit" / "export" / "eagle3" / "sglang"
+        return kitfiles.split_dir(export, self.out / "head", kitfiles.PART_BYTES)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("call", type=int, choices=(1, 2))
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/eaglet-kit-out"))
+    ap.add_argument("--stash", default=str(REPO / ".gpustash"))
+    ap.add_argument("--carried", default=None, help="the call's carried folder (default .gpukit/call<N>)")
+    ap.add_argument("--target", default=None, help="a local model instead of the GGUF (dry run)")
+    args = ap.parse_args()
+    out, stash = Path(args.out), Path(args.stash)
+    out.mkdir(parents=True, exist_ok=True)
+    stash.mkdir(parents=True, exist_ok=True)
+    carried = Path(args.carried) if args.carried else REPO / ".gpukit" / f"call{args.call}"
+    run = Run(args.call, PROFILES[args.profile], out, stash, carried, args.target)
+    if args.call == 1:  # the first GGUF half waits in the stash for call 2
+        kitfiles.stash_parts(carried / "parts", stash / "parts")
+    for name in CALL_PHASES[args.call]:
+        run.phase(name)
+    failed = [n for n, r in run.results["phases"].items() if r["status"] != "ok"]
+    print(json.dumps(run.results, indent=1))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The GPU kit (bench/gpu) works before the first lent GPU: `kit.py --dry-run` prepares the kit, checks
+every limit of the device tool (bytes per call, files back and their sizes, phase budgets against the call
+limits) and runs both device calls here on CPU against a tiny model, end to end, joining the returned head."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.mark.slow
+def test_gpu_kit_dry_run_passes(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/gpu/kit.py", "--dry-run", "--keep", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    plan = json.loads((REPO / ".gpukit" / "plan.json").read_text())
+    assert all(call["bytes"] <= 64 << 20 for call in plan["calls"].values())
+    assert plan["conversations"] > 1000  # the quality experiment's prompts travel
+    r2 = json.loads((tmp_path / "out2" / "results2.json").read_text())
+    assert {p: r["status"] for p, r in r2["phases"].items()} == dict.fromkeys(
+        ["install", "target", "demo", "regen", "dump", "train", "eval", "tree_cost", "export"], "ok")
+    assert r2["phases"]["export"]["parts"] >= 1
+    r1 = json.loads((tmp_path / "out1" / "results1.json").read_text())
+    assert r1["phases"]["lossless_cuda"]["failures"] == 0 and r1["phases"]["lossless_cuda"]["tests"] >= 10
+    assert r1["phases"]["bf16_ties"]["divergences_outside_tie_bound"] == 0
+
+
+def _kitfiles():
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    import kitfiles
+
+    return kitfiles
+
+
+def test_parts_join_back_checked(tmp_path):
+    kitfiles = _kitfiles()
+    src = tmp_path / "model.gguf"
+    src.write_bytes(bytes(range(256)) * 1000)
+    index = kitfiles.split_file(src, tmp_path / "a", part_bytes=100_000)
+    assert len(index["parts"]) == 3
+    (tmp_path / "b").mkdir()  # one part travels in another call's folder
+    (tmp_path / "a" / index["parts"][2]).rename(tmp_path / "b" / index["parts"][2])
+    joined = kitfiles.join_parts(tmp_path / "a", tmp_path / "b", tmp_path / "out")
+    assert joined.read_bytes() == src.read_bytes()
+    joined.unlink()
+    part = tmp_path / "b" / index["parts"][2]
+    part.write_bytes(b"x" + part.read_bytes()[1:])
+    with pytest.raises(ValueError, match="sha256"):
+        kitfiles.join_parts(tmp_path / "a", tmp_path / "b", tmp_path / "out")
+    part.unlink()
+    with pytest.raises(FileNotFoundError, match=r"model.gguf.part2.*run both calls again"):
+        kitfiles.join_parts(tmp_path / "a", tmp_path / "b", tmp_path / "out")
+
+
+def test_back_violations_name_every_limit(tmp_path):
+    kitfiles = _kitfiles()
+    out = tmp_path / "out"
+    (out / "a" / "b" / "c").mkdir(parents=True)
+    assert kitfiles.back_violations(out) == []
+    for i in range(8):
+        (out / f"f{i}.json").write_text("{}")
+    assert kitfiles.back_violations(out) == []
+    (out / "a" / "b" / "c" / "deep.txt").write_text("x")
+    (out / "a" / "big.bin").write_bytes(b"\0" * (16 * kitfiles.MiB + 1))
+    (out / "a" / "odd name.txt").write_text("x")
+    problems = "\n".join(kitfiles.back_violations(out))
+    for expected in ("11 files back", "big.bin: 16777217 bytes", "deep.txt: more than 2 folders down",
+                     "odd name.txt: a name with"):
+        assert expected in problems
+
+
+def test_wheel_from_installed_installs_offline(tmp_path):
+    kitfiles = _kitfiles()
+    whl = kitfiles.wheel_from_installed("omegaconf", tmp_path / "wheels")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                    str(tmp_path / "site"), str(whl)], check=True, timeout=120)
+    probe = "import omegaconf, sys; print(omegaconf.__version__, omegaconf.__file__)"
+    out = subprocess.run([sys.executable, "-c", probe], env={"PYTHONPATH": str(tmp_path / "site")},
+                         capture_output=True, text=True, check=True).stdout
+    from importlib.metadata import version
+
+    assert out.split()[0] == version("omegaconf") and str(tmp_path / "site") in out
