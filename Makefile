@@ -12,7 +12,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 EXPERIMENT ?= demo
 
-.PHONY: install install-test install-llama-cpp install-slurm demo test test-fast bench clean-demo
+.PHONY: install install-test install-llama-cpp install-slurm llama-server demo test test-fast bench clean-demo
 
 install:
 ifeq ($(HAS_GPU),1)
@@ -41,6 +41,22 @@ install-llama-cpp: install
 	  { echo "install-llama-cpp: rebuilding llama-cpp-python without pip's cache"; \
 	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir --force-reinstall --no-deps llama-cpp-python && \
 	    $(PYTHON) tests/llama_cpp_check.py; }
+
+# The real llama.cpp server (continuous batching over parallel slots) for regen through the `openai` backend
+# and bench/bench_stages.py: built from the llama.cpp that the pinned llama-cpp-python sdist vendors (one
+# llama.cpp version in the project), for this CPU, without the AMX kernels (see install-llama-cpp).
+LLAMA_DIR := .cache/llama.cpp
+LLAMA_SERVER := $(LLAMA_DIR)/bin/llama-server
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER):
+	mkdir -p $(LLAMA_DIR)/src
+	$(PIP) download --no-deps --no-binary :all: -c constraints.txt -d $(LLAMA_DIR)/src llama-cpp-python
+	tar xzf $(LLAMA_DIR)/src/llama_cpp_python-*.tar.gz -C $(LLAMA_DIR)/src
+	cmake -S $$(ls -d $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp) -B $(LLAMA_DIR)/build \
+	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON $(LLAMA_CMAKE_ARGS)
+	cmake --build $(LLAMA_DIR)/build --target llama-server -j$$(nproc)
+	install -D $(LLAMA_DIR)/build/bin/llama-server $@
 
 # A real local Slurm for tests/test_slurm.py (Debian's slurm-wlm + munge); a no-op when installed.
 # Needs root and apt-get; elsewhere the Slurm tests skip (and fail under CI=true).
