@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -73,7 +72,7 @@ class Run:
     def __init__(self, call: int, profile: Profile, out: Path, stash: Path, carried: Path, target: str | None):
         self.call, self.profile, self.out, self.stash, self.carried = call, profile, out, stash, carried
         self.target = target
-        self.results = {"call": call, "profile": profile.device, "phases": {}}
+        self.results = {"call": call, "device": profile.device, "phases": {}}
         self.log = open(out / f"call{call}.log", "a")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                         TOKENIZERS_PARALLELISM="false", EAGLET_CACHE=str(stash / "cache"),

@@ -74,9 +74,10 @@ def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data"
     if kit.exists():
         shutil.rmtree(kit)
     calls = {n: kit / f"call{n}" for n in (1, 2)}
-    for n, folder in calls.items():  # both calls install: a warm machine keeps them, a cold one would not
-        for dist in MISSING_ON_DEVICE:
-            kitfiles.wheel_from_installed(dist, folder / "wheels")
+    for dist in MISSING_ON_DEVICE:
+        kitfiles.wheel_from_installed(dist, calls[1] / "wheels")
+    # Both calls install them: a warm machine keeps call 1's install, a cold one would not.
+    shutil.copytree(calls[1] / "wheels", calls[2] / "wheels")
     cfg = TargetConfig()
     gguf = packaged_gguf(cfg.gguf_package, cfg.gguf_file)
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +112,6 @@ def print_plan(plan: dict) -> None:
 
 
 def limit_violations(plan: dict) -> list[str]:
-    sys.path.insert(0, str(HERE))
     from device import CALL_PHASES, PROFILES
 
     problems = []

@@ -8,6 +8,7 @@ drafter receives the target states of the accepted positions from that same forw
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections import defaultdict
@@ -153,7 +154,13 @@ SELECTIVE_HIDDEN_STATES = tuple(int(x) for x in transformers.__version__.split("
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The forward's name for the KV cache: `cache` in transformers >= 5.2x (which still accepts the older
     `past_key_values`, deprecated), `past_key_values` before (5.17 on the GPU kit's machine ignores `cache`)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return _cache_kwarg_of(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(model_class: type) -> str:
+    # Once per model class: target_forward runs every verification step, a signature lookup need not.
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def target_forward(
