@@ -65,4 +65,16 @@ class EagletConfig:
         # FastChat / EAGLE layout (data/<bench>/question.jsonl): the folder names the set.
         stem = path.parent.name if path.stem == "question" and path.parent.name else path.stem
         limit = f"-n{self.eval.limit}" if self.eval.limit else ""
-        return f"{stem}{limit}-T{self.eval.temperature:g}"
+        e = self.eval
+        # Everything that changes the numbers is in the name, so runs with other settings never collide or
+        # resume each other: set, limit, temperature, token budget, the target's precision and the tree.
+        return (f"{stem}{limit}-T{e.temperature:g}-m{e.max_new_tokens}-{self.target_precision}"
+                f"-tree{e.top_k}x{e.depth}x{e.total_tokens}")
+
+    @property
+    def target_precision(self) -> str:
+        """The target's compute dtype name (`auto` resolved on this machine)."""
+        from pipeline.precision import dtype_name
+        from pipeline.target import resolve_device, resolve_dtype
+
+        return dtype_name(resolve_dtype(self.target.dtype, resolve_device(self.target.device)))

@@ -14,7 +14,9 @@ from typing import Optional
 
 import torch
 
+from pipeline import precision
 from pipeline.manifest import atomic_write_text
+from pipeline.precision import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,10 @@ class TargetConfig:
     hub_id: Optional[str] = "HuggingFaceTB/SmolLM2-135M-Instruct"
     revision: Optional[str] = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    # Compute precision: auto (bf16 where the hardware computes it fast: CUDA, AMX/AVX512-BF16 CPUs; else
+    # fp32; see pipeline/precision.py) | float32 | bfloat16 | float16. The target's identity (fingerprint)
+    # does not depend on it: a bf16 run accepts heads trained on an fp32 run's dumps.
+    dtype: str = "auto"
     cache_dir: Optional[str] = None  # default: $EAGLET_CACHE or ~/.cache/eaglet
     attn_implementation: str = "sdpa"
 
@@ -48,6 +53,11 @@ class Target:
     dtype: torch.dtype
     fingerprint: dict
     source: str  # the directory the weights were loaded from
+
+    @property
+    def precision(self) -> str:
+        """The compute dtype's name, recorded in every stage manifest beside the fingerprint."""
+        return dtype_name(self.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -69,13 +79,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
-        raise ValueError(f"target.dtype={name!r}: expected one of auto, {', '.join(table)}")
-    return table[name]
+    return precision.resolve_dtype(name, device, "target.dtype")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +203,8 @@ def tokenizer_digest(tokenizer) -> str:
 
 def weights_digest(model: torch.nn.Module, samples: int = 4096) -> str:
     """Content digest from a strided sample of every tensor: cheap on 100B-parameter targets, yet any
-    different checkpoint of the same architecture changes it."""
+    different checkpoint of the same architecture changes it. Give it the weights as stored (see
+    `stored_weights_digest`); the values are upcast to fp32 (exact from bf16/fp16) before hashing."""
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
@@ -208,6 +213,30 @@ def weights_digest(model: torch.nn.Module, samples: int = 4096) -> str:
         h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def stored_dtype(location: str, revision: Optional[str] = None) -> Optional[torch.dtype]:
+    """The dtype the checkpoint's config declares for its weights (None when it declares none)."""
+    from transformers import AutoConfig
+
+    declared = getattr(AutoConfig.from_pretrained(location, revision=revision), "dtype", None)
+    if isinstance(declared, str):
+        declared = precision.DTYPES.get(declared)
+    return declared if isinstance(declared, torch.dtype) else None
+
+
+def stored_weights_digest(model: torch.nn.Module, location: str, cfg: "TargetConfig") -> str:
+    """`weights_digest` of the weights as stored, whatever dtype `model` computes in: the target's identity
+    must not change with the precision (a bf16 eval must accept a head trained on an fp32 dump). When the
+    model was cast at load, a second load in the stored dtype (on CPU, then freed) gives the stored values."""
+    compute = next(model.parameters()).dtype
+    if stored_dtype(location, cfg.revision) == compute:
+        return weights_digest(model)
+    stored = _from_pretrained(location, cfg, "auto")
+    try:
+        return weights_digest(stored)
+    finally:
+        del stored
 
 
 ARCH_KEYS = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -220,7 +249,8 @@ def config_summary(hf_config) -> dict:
     return {k: d[k] for k in ARCH_KEYS if k in d}
 
 
-def compute_fingerprint(model, tokenizer, cfg: TargetConfig, source: str) -> dict:
+def compute_fingerprint(model, tokenizer, cfg: TargetConfig, source: str, weights: Optional[str] = None) -> dict:
+    """`weights`: the stored weights' digest when `model` was cast at load (default: digest `model`)."""
     summary = config_summary(model.config)
     return {
         "name": cfg.name,
@@ -229,7 +259,7 @@ def compute_fingerprint(model, tokenizer, cfg: TargetConfig, source: str) -> dic
         "config": summary,
         "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
         "tokenizer_digest": tokenizer_digest(tokenizer),
-        "weights_digest": weights_digest(model),
+        "weights_digest": weights or weights_digest(model),
     }
 
 
@@ -243,21 +273,27 @@ def load_tokenizer(cfg: TargetConfig):
     return AutoTokenizer.from_pretrained(location, revision=cfg.revision)
 
 
+def _from_pretrained(location: str, cfg: TargetConfig, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        location, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation)
+
+
 def load_target(cfg: TargetConfig) -> Target:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     location, source = materialize(cfg)
     t0 = time.time()
-    model = AutoModelForCausalLM.from_pretrained(
-        location, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation)
+    model = _from_pretrained(location, cfg, dtype)
     model.to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(location, revision=cfg.revision)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    fingerprint = compute_fingerprint(model, tokenizer, cfg, source)
+    fingerprint = compute_fingerprint(model, tokenizer, cfg, source, stored_weights_digest(model, location, cfg))
     log.info("loaded target %s from %s in %.1f s (%s, %s)", cfg.name, location, time.time() - t0, device, dtype)
     return Target(model=model, tokenizer=tokenizer, device=device, dtype=dtype,
                   fingerprint=fingerprint, source=location)

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("EAGLET_TEST_THREADS", "2")))
+# `auto` precision resolves to float32 in the suite on every machine (the exactness tests mean the same with
+# and without fast bf16); tests of bf16 pick it explicitly. Subprocesses (pipeline.run, torchrun, Slurm
+# jobs) inherit it.
+os.environ.setdefault("EAGLET_FAST_BF16", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -125,7 +129,7 @@ def smollm2():
     from pipeline.config import TargetConfig
     from pipeline.target import load_target
 
-    return load_target(TargetConfig())
+    return load_target(TargetConfig(dtype="float32"))
 
 
 @pytest.fixture(scope="session")

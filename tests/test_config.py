@@ -37,7 +37,11 @@ def test_group_override_changes_head_and_output_layout():
     assert cfg.stage_dir("dump") == Path("outputs/demo/dump")
     assert cfg.stage_dir("train") == Path("outputs/demo/train/eagle1")
     assert cfg.stage_dir("export") == Path("outputs/demo/export/eagle1")
-    assert cfg.stage_dir("eval") == Path("outputs/demo/eval/eagle1/demo_questions-T1")
+    # The suite pins EAGLET_FAST_BF16=0 (conftest), so `auto` is float32 on every machine.
+    assert cfg.stage_dir("eval") == Path("outputs/demo/eval/eagle1/demo_questions-T1-m128-float32-tree10x6x60")
+
+
+DEMO_RUN = "-m128-float32-tree10x6x60"  # the demo's token budget, the suite's precision, the default tree
 
 
 @pytest.mark.parametrize("questions,limit,name", [
@@ -47,7 +51,24 @@ def test_group_override_changes_head_and_output_layout():
 ])
 def test_eval_run_names_never_collide_across_sets_and_limits(questions, limit, name):
     overrides = [f"eval.questions={questions}"] + ([f"eval.limit={limit}"] if limit else [])
-    assert compose_cfg(overrides).eval_run_name == name
+    assert compose_cfg(overrides).eval_run_name == name + DEMO_RUN
+
+
+@pytest.mark.parametrize("override,part", [
+    ("target.dtype=bfloat16", "-bfloat16-"), ("eval.top_k=8", "-tree8x6x60"), ("eval.depth=5", "-tree10x5x60"),
+    ("eval.total_tokens=40", "-tree10x6x40"), ("eval.max_new_tokens=64", "-m64-")])
+def test_eval_run_names_name_precision_tree_and_budget(override, part):
+    name = compose_cfg([override]).eval_run_name
+    assert part in name and name != compose_cfg().eval_run_name
+
+
+def test_auto_precision_follows_the_capability(monkeypatch):
+    from pipeline import precision
+    for flag, want in (("1", "bfloat16"), ("0", "float32")):
+        monkeypatch.setenv(precision.ENV_OVERRIDE, flag)
+        precision.fast_bf16.cache_clear()
+        assert compose_cfg().target_precision == want
+    precision.fast_bf16.cache_clear()
 
 
 def test_misspelt_key_fails_at_compose_time():

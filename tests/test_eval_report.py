@@ -44,8 +44,9 @@ def _write(run_dir, per_question: dict[str, list[list[int]]]) -> None:
 
 def test_heads_are_compared_on_the_turns_both_answered(tmp_path):
     exp = tmp_path / "exp"
-    _write(exp / "eval/eagle3/mt_bench-T0", {"1": [[3, 1], [0]], "2": [[2, 2]], "3": [[5, 5, 5]]})
-    _write(exp / "eval/eagle1/mt_bench-T0", {"1": [[1, 1], [1]], "2": [[0, 0]]})  # partial: no question 3
+    run = "mt_bench-T0-m256-float32-tree10x6x60"
+    _write(exp / "eval/eagle3" / run, {"1": [[3, 1], [0]], "2": [[2, 2]], "3": [[5, 5, 5]]})
+    _write(exp / "eval/eagle1" / run, {"1": [[1, 1], [1]], "2": [[0, 0]]})  # partial: no question 3
     _write(exp / "eval/eagle3/gsm8k-n20-T0", {"1": [[1]]})  # no eagle1 run: no row
     rows = comparison(exp).splitlines()
     assert len(rows) == 3

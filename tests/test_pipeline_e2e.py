@@ -51,12 +51,15 @@ def chain(tmp_path_factory, tiny_model_dir):
     return tmp_path, args
 
 
+RUN = "questions-T0-m32-float32-tree4x4x16"  # the eval run folder of tiny_args (the suite's auto = float32)
+
+
 def test_chain_regen_dump_train_eval(chain):
     tmp_path, _ = chain
     exp = tmp_path / "e2e"
     regen, dump = load_manifest(exp / "regen", "regen"), load_manifest(exp / "dump", "dump")
     train = load_manifest(exp / "train" / "eagle3", "train")
-    ev_dir = exp / "eval" / "eagle3" / "questions-T0"
+    ev_dir = exp / "eval" / "eagle3" / RUN
     ev = load_manifest(ev_dir, "eval")
     # Each stage pins the exact manifest of its input.
     assert dump["inputs"][0]["path"].endswith("e2e/regen")
@@ -64,6 +67,7 @@ def test_chain_regen_dump_train_eval(chain):
     assert ev["inputs"][0]["path"].endswith("e2e/train/eagle3")
     fp = regen["target"]
     assert dump["target"] == fp and train["target"] == fp and ev["target"] == fp
+    assert regen["generation"]["precision"] == dump["precision"] == train["precision"] == ev["precision"] == "float32"
 
     summary = json.loads((ev_dir / "summary.json").read_text())
     assert summary["turns"] == 4  # the second question has two turns
@@ -110,6 +114,23 @@ def test_eval_resumes_in_pieces_and_refuses_other_settings(chain):
     assert summary["baseline_turns"] == 1 and summary["greedy_matches_baseline"] == "1/1"
     assert load_manifest(ev / "pieces", "eval")["counts"]["turns"] == 4
     assert not (ev / "pieces" / "summary.partial.json").exists()
-    assert _answers(ev / "pieces" / "answers.jsonl") == _answers(ev / "questions-T0" / "answers.jsonl")
+    assert _answers(ev / "pieces" / "answers.jsonl") == _answers(ev / RUN / "answers.jsonl")
     rows = table(tmp_path / "e2e").splitlines()[2:]
     assert [r.split(" | ")[1:4] for r in rows] == [["pieces", "0", "3/3"], ["questions", "0", "3/3"]]
+
+
+def test_a_head_trained_on_an_fp32_dump_evaluates_with_a_bf16_target(chain):
+    """The target's identity does not depend on its compute precision: the bf16 eval accepts the head
+    trained on the fp32 dump, names its precision in the run folder and manifest, times vanilla decoding
+    in both precisions (speedup against the faster) and reports how many greedy turns left bf16 vanilla."""
+    tmp_path, args = chain
+    run_cli([*args, "stage=eval", "target.dtype=bfloat16", "eval.baseline_limit=1"])
+    ev_dir = tmp_path / "e2e" / "eval" / "eagle3" / "questions-T0-m32-bfloat16-tree4x4x16"
+    manifest = load_manifest(ev_dir, "eval")
+    assert manifest["precision"] == "bfloat16"
+    assert manifest["target"] == load_manifest(tmp_path / "e2e" / "dump", "dump")["target"]
+    summary = json.loads((ev_dir / "summary.json").read_text())
+    rates = summary["baseline_tokens_per_s_by_precision"]
+    assert set(rates) == {"bfloat16", "float32"} and summary["baseline_precision"] == max(rates, key=rates.get)
+    assert summary["baseline_tokens_per_s"] == rates[summary["baseline_precision"]]
+    assert 0 <= summary["greedy_divergent_share"] <= 1 and summary["turns"] == 4

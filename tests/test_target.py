@@ -1,9 +1,11 @@
 """Target loading: the GGUF is dequantized once into a cache; later loads are fast and identical."""
+import dataclasses
 import time
 
 import pytest
 import torch
 
+from pipeline import precision
 from pipeline.target import TargetConfig, load_target, resolve_dtype, weights_digest
 
 
@@ -17,6 +19,37 @@ def test_local_hf_directory_and_fingerprint(tiny_model_dir, tmp_path):
     with torch.no_grad():
         t.model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
     assert weights_digest(t.model) != fp["weights_digest"]
+
+
+def test_identity_does_not_depend_on_the_compute_precision(tiny_model_dir):
+    """weights_digest is taken from the weights as stored: a bf16 load of an fp32 checkpoint keeps the fp32
+    load's fingerprint (so a bf16 eval accepts heads trained on fp32 dumps), and says its precision."""
+    cfg = TargetConfig(name="tiny", path=str(tiny_model_dir), gguf_package=None, dtype="float32")
+    fp32 = load_target(cfg)
+    bf16 = load_target(dataclasses.replace(cfg, dtype="bfloat16"))
+    assert (fp32.precision, bf16.precision) == ("float32", "bfloat16")
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    assert bf16.fingerprint == fp32.fingerprint
+    # The digest of the cast weights differs: hashing the loaded model would have broken the identity.
+    assert weights_digest(bf16.model) != fp32.fingerprint["weights_digest"]
+
+
+def test_auto_precision_is_the_capability_and_explicit_names_win(monkeypatch):
+    cpu = torch.device("cpu")
+    for flag, want in (("1", torch.bfloat16), ("0", torch.float32)):
+        monkeypatch.setenv(precision.ENV_OVERRIDE, flag)
+        precision.fast_bf16.cache_clear()
+        assert resolve_dtype("auto", cpu) == want
+        assert resolve_dtype("float32", cpu) == torch.float32 and resolve_dtype("bf16", cpu) == torch.bfloat16
+    monkeypatch.setenv(precision.ENV_OVERRIDE, "yes")
+    precision.fast_bf16.cache_clear()
+    with pytest.raises(ValueError, match="EAGLET_FAST_BF16"):
+        resolve_dtype("auto", cpu)
+    monkeypatch.delenv(precision.ENV_OVERRIDE)
+    precision.fast_bf16.cache_clear()
+    # Without the override: torch's capability query, confirmed by a measurement (a ratio, always positive).
+    assert isinstance(precision.fast_bf16("cpu"), bool) and precision.measure_cpu_bf16_speedup() > 0
+    precision.fast_bf16.cache_clear()
 
 
 def test_missing_paths_are_clear():

@@ -35,8 +35,12 @@ class TurnRecord:
     answer: str
     baseline_wall_s: Optional[float] = None
     baseline_new_tokens: Optional[int] = None
-    # Greedy only: the speculative output equals plain greedy decoding token for token.
+    # Greedy only: the speculative output equals plain greedy decoding (same precision) token for token.
     matches_baseline: Optional[bool] = None
+    # CPU with a reduced-precision target: vanilla decoding again with an fp32 copy, which can be the faster
+    # baseline (one-token forwards gain nothing from bf16 on CPU); speedup is against the faster of the two.
+    fp32_baseline_wall_s: Optional[float] = None
+    fp32_baseline_new_tokens: Optional[int] = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -59,9 +63,10 @@ def stop_token_ids(target_model, tokenizer) -> set[int]:
 
 def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfig,
                      system_prompt: Optional[str] = None, progress=None,
-                     deadline: Optional[float] = None) -> list[TurnRecord]:
+                     deadline: Optional[float] = None, fp32_model=None) -> list[TurnRecord]:
     """Answer every question (all its turns) with the tree decoder, plus the vanilla baseline on the first
-    `cfg.baseline_limit` questions. `progress` (EvalProgress) supplies finished questions and records new
+    `cfg.baseline_limit` questions (also with `fp32_model`, an fp32 copy of the target, when given).
+    `progress` (EvalProgress) supplies finished questions and records new
     ones; once a question ends past `deadline` (time.monotonic()) no new one starts: the result may be partial."""
     model, tokenizer = target.model, target.tokenizer
     eos = stop_token_ids(model, tokenizer)
@@ -76,7 +81,8 @@ def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfi
             bar.update(len(q.turns))
             continue
         with_baseline = cfg.baseline and (cfg.baseline_limit is None or qi < cfg.baseline_limit)
-        q_records = _answer(model, tokenizer, drafter, q, qi, cfg, eos, system_prompt, with_baseline, bar)
+        q_records = _answer(model, tokenizer, drafter, q, qi, cfg, eos, system_prompt, with_baseline, bar,
+                            fp32_model)
         records.extend(q_records)
         if progress is not None:
             progress.append(q.id, q_records)
@@ -88,7 +94,7 @@ def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfi
 
 
 def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, eos: set[int],
-            system_prompt: Optional[str], with_baseline: bool, bar) -> list[TurnRecord]:
+            system_prompt: Optional[str], with_baseline: bool, bar, fp32_model=None) -> list[TurnRecord]:
     """All turns of one question; later turns see the speculative answers as history."""
     messages = [{"role": "system", "content": q.system}] if q.system else []
     records = []
@@ -107,6 +113,10 @@ def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, eo
             rec.baseline_wall_s, rec.baseline_new_tokens = base.wall_time, len(base.tokens)
             if cfg.temperature <= 0:
                 rec.matches_baseline = base.tokens == spec.tokens
+            if fp32_model is not None:
+                base32 = vanilla_generate(fp32_model, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
+                                          eos_token_ids=eos, seed=seed)
+                rec.fp32_baseline_wall_s, rec.fp32_baseline_new_tokens = base32.wall_time, len(base32.tokens)
         records.append(rec)
         messages.append({"role": "assistant", "content": rec.answer})
         bar.update(1)

@@ -65,7 +65,8 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
         if not shared:
             continue
         ta, tb = tau_of([ra[k] for k in shared]), tau_of([rb[k] for k in shared])
-        name, temp = run_a.name.rsplit("-T", 1)
+        name, rest = run_a.name.rsplit("-T", 1)
+        temp = rest.split("-", 1)[0]  # <set>[-n<limit>]-T<temperature>-m<tokens>-<precision>-tree<k>x<d>x<n>
         rows.append(f"| {name} | {temp} | {len(shared)} | {ta:.2f} | {tb:.2f} | **{ta / tb:.2f}** |")
     return "\n".join(rows)
 

@@ -72,6 +72,8 @@ def plan_dump(target, samples: Sequence[TokenizedSample], cfg: DumpConfig) -> tu
     key_parts = {"format_version": FORMAT_VERSION, "layer_ids": list(layout.layer_ids),
                  "dtype": dtype_name(layout.dtype),
                  "target": {k: fp.get(k) for k in ("config_digest", "tokenizer_digest", "weights_digest")}}
+    if target.precision != "float32":  # a resumed dump never mixes shards computed in two precisions
+        key_parts["precision"] = target.precision  # (fp32 adds nothing: plans made before this keep their key)
     plan = make_plan(samples, cfg.batch_tokens, cfg.max_batch_size, cfg.shard_bytes, layout.row_bytes, key_parts)
     return layout, plan
 
@@ -257,6 +259,7 @@ def _finalize(out_dir: Path, target, layout: StateLayout, plan: DumpPlan, cfg: D
         out_dir, "dump", config, counts, timings, inputs=inputs,
         format={"name": FORMAT_NAME, "version": FORMAT_VERSION},
         target=fp,
+        precision=target.precision,  # the compute dtype of the target's forward (`dtype` is the storage)
         tokenizer_digest=fp.get("tokenizer_digest"),
         layers={"ids": list(layout.layer_ids), "convention": CONVENTION, "final": FINAL_FEATURE,
                 "num_target_layers": target.num_layers},

@@ -47,7 +47,9 @@ def main(cfg: EagletConfig) -> Optional[dict]:
     plan = make_plan(items, rcfg.batch_size, rcfg.batches_per_shard, backend.prompt_length)
     out = RegenDir(cfg.stage_dir("regen"))
     identity = {"plan": plan.digest, "conversations": len(items), "batches": plan.n_batches,
-                "generation": {k: v for k, v in generation.items() if k != "base_url"},
+                # fp32 is left out so runs started before precision was recorded still resume.
+                "generation": {k: v for k, v in generation.items()
+                               if k != "base_url" and not (k == "precision" and v == "float32")},
                 "target": {k: fingerprint.get(k) for k in FINGERPRINT_KEYS}}
     resumed = out.claim(identity, rcfg.overwrite, single_rank=info.world_size == 1)
     if info.world_size == 1:
@@ -112,6 +114,7 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
         target = load_target(_rank_device(cfg, info))
         backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p)
         generation["stop_token_ids"] = backend.stop_ids
+        generation["precision"] = target.precision
         return backend, target.fingerprint, generation
 
     from pipeline.regen.openai_backend import OpenAIBackend

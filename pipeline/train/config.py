@@ -54,7 +54,8 @@ class TrainConfig:
     tau_prompts: int = 2  # validation prompts decoded with the real tree decoder at each checkpoint
     tau_max_new_tokens: int = 48
     plot: bool = True  # curves.png in the train dir at the end
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16
+    # auto (bf16 autocast where bf16 is fast: GPUs, AMX/AVX512-BF16 CPUs; see pipeline/precision.py) | no | bf16
+    mixed_precision: str = "auto"
     # A DeepSpeed JSON (e.g. conf/deepspeed/zero2.json); GPU only. Model code stays single-device either way.
     deepspeed_config: Optional[str] = None
     resume: bool = True  # continue from the last checkpoint in the train dir (false: refuse a non-empty dir)

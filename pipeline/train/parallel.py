@@ -24,10 +24,12 @@ DS_TAG = "deepspeed"  # DeepSpeed's own sub-directory inside a checkpoint
 
 
 def resolve_mixed_precision(name: str, cuda: bool) -> str:
-    """auto: bf16 autocast on GPU, fp32 on CPU (CPU bf16 matmuls are slow and the CPU runs are the tests'
-    exactness reference)."""
+    """auto: bf16 autocast where bf16 compute is fast (GPUs; AMX/AVX512-BF16 CPUs, pipeline/precision.py),
+    fp32 elsewhere. Master weights and optimizer states stay fp32 either way."""
+    from pipeline.precision import fast_bf16
+
     if name == "auto":
-        return "bf16" if cuda else "no"
+        return "bf16" if fast_bf16("cuda" if cuda else "cpu") else "no"
     if name not in ("no", "bf16"):
         raise ValueError(f"train.mixed_precision={name!r}: expected auto, no or bf16")
     return name
@@ -100,6 +102,11 @@ class Parallel:
     @property
     def mixed_precision(self) -> str:
         return self.accelerator.mixed_precision
+
+    @property
+    def precision(self) -> str:
+        """The compute dtype's name, as every stage manifest records it."""
+        return "bfloat16" if self.mixed_precision == "bf16" else "float32"
 
     # -- wrapping ----------------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer):

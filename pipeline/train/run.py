@@ -62,7 +62,9 @@ def train(cfg, par: Parallel) -> dict:
     train_dir.mkdir(parents=True, exist_ok=True)
 
     # The target only provides frozen weights (embeddings, lm_head) here, plus the real-tau decodes on rank 0.
-    target = load_target(dataclasses.replace(cfg.target, device=str(par.device)))
+    # Loaded in fp32 unless a dtype is forced: the head copies exact weights; autocast sets the compute precision.
+    dtype = "float32" if cfg.target.dtype == "auto" else cfg.target.dtype
+    target = load_target(dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype))
     layer_ids = list(cfg.dump.layer_ids or default_layer_ids(target.num_layers))
     reader = DumpReader(dump_dir, expect_target=target.fingerprint,
                         expect_layer_ids=layer_ids if hcfg.kind == "eagle3" else None)
@@ -146,6 +148,7 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, dump_dir: Path, target,
         counts={"train_rows": len(trainer.train_idx), "val_rows": len(trainer.val_idx), "steps": trainer.step,
                 "epoch_steps": trainer.epoch_steps, "world_size": trainer.par.world_size, **vocab_info},
         timings={"total_s": time.perf_counter() - t0}, inputs=[dump_dir],
-        target=target.fingerprint, head_config=head.config.to_dict(), final_metrics=final_metrics)
+        target=target.fingerprint, precision=trainer.par.precision, head_config=head.config.to_dict(),
+        final_metrics=final_metrics)
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
                                                      if k in ("val/loss", "val/sim_tau", "eval/tau")})

@@ -1,0 +1,92 @@
+"""Compute precision: one rule for every stage (the target in regen, dump and eval; training autocast; dump
+storage through the target's dtype).
+
+`auto` is bfloat16 where the hardware computes it fast and float32 elsewhere:
+- CUDA: bfloat16 when the GPU supports it (Ampere and later).
+- CPU: bfloat16 only when torch itself reports a bf16 matmul path (AMX tiles, whose OS permission torch
+  requests, or AVX512-BF16) *and* a short measurement confirms bf16 matmuls run clearly faster than fp32.
+  Advertised CPU features are not proof: a feature can be listed and still fault or be emulated slowly.
+`EAGLET_FAST_BF16=0|1` overrides the detection (the test suite pins it, so it means the same everywhere).
+Explicit `float32` / `bfloat16` / `float16` always win over detection.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+ENV_OVERRIDE = "EAGLET_FAST_BF16"
+# bf16 must beat fp32 by this factor on a training-sized matmul to count as fast (AMX measured 3-7x here;
+# a CPU that emulates bf16 through fp32 lands below 1).
+MIN_CPU_SPEEDUP = 1.5
+
+
+def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
+    """A dtype name (or alias) -> torch dtype; `what` names the config field in the error."""
+    key = ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise ValueError(f"{what}={name!r}: expected auto or one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}: use one of {', '.join(DTYPES)}")
+
+
+def _cpu_bf16_advertised() -> bool:
+    """torch's own capability query (CPUID + OS state), not /proc/cpuinfo."""
+    cpu = torch.cpu
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    amx = getattr(cpu, "_is_amx_tile_supported", lambda: False)() and getattr(cpu, "_init_amx", lambda: False)()
+    return bool(amx or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+def measure_cpu_bf16_speedup(m: int = 512, k: int = 576, n: int = 1536, reps: int = 5) -> float:
+    """fp32 time / bf16 time of one [m, k] x [k, n] matmul (best of `reps`, after a warm-up): ~20 ms."""
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        times[dtype] = best
+    return times[torch.float32] / max(times[torch.bfloat16], 1e-9)
+
+
+@functools.lru_cache(maxsize=None)
+def fast_bf16(device_type: str) -> bool:
+    """Whether bf16 compute is fast on this kind of device (cached per process)."""
+    override = os.environ.get(ENV_OVERRIDE)
+    if override is not None:
+        if override not in ("0", "1"):
+            raise ValueError(f"{ENV_OVERRIDE}={override!r}: expected 0 or 1")
+        return override == "1"
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device_type != "cpu" or not _cpu_bf16_advertised():
+        return False
+    speedup = measure_cpu_bf16_speedup()
+    log.info("CPU bf16 matmul %.1fx fp32: auto precision is %s", speedup,
+             "bfloat16" if speedup >= MIN_CPU_SPEEDUP else "float32")
+    return speedup >= MIN_CPU_SPEEDUP
+
+
+def resolve_dtype(name: str, device: torch.device, what: str = "dtype") -> torch.dtype:
+    """`auto` -> bf16 where fast on `device`, else fp32; anything else is parsed as a dtype name."""
+    if name == "auto":
+        return torch.bfloat16 if fast_bf16(device.type) else torch.float32
+    return parse_dtype(name, what)
