@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from pipeline.regen.batching import RegenItem, make_plan, to_item
 from pipeline.regen.config import RegenConfig
 from pipeline.regen.hf_backend import HFBackend, stop_token_ids
 from pipeline.regen.shards import RegenDir, RegenStateError, regen_sources
-from pipeline.regen.waves import Answer, Request, degenerate_flags
+from pipeline.regen.waves import Answer, Request, degenerate_flags, regen_batch
 from pipeline.target import TargetConfig, load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,6 +126,52 @@ def test_padded_batch_answers_equal_answers_alone(tiny_target):
     assert len({len(backend.prompt_ids(r.messages)) for r in requests}) > 1  # really padded
     for request, answer in zip(requests, batched):
         assert backend.generate([request])[0] == answer
+
+
+class OneAtATime:
+    """The tiny target answering one request per call from several threads, as a server with parallel slots
+    is used (the regen backend contract's `complete`); records when each (conversation, turn) was asked."""
+
+    def __init__(self, backend: HFBackend, concurrency: int, hold=None):
+        self.backend, self.concurrency, self.hold = backend, concurrency, hold
+        self.asked: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def prompt_length(self, item):
+        return self.backend.prompt_length(item)
+
+    def complete(self, request: Request):
+        turn = sum(m["role"] == "user" for m in request.messages) - 1
+        key = (request.messages[-1]["content"], turn)
+        with self.lock:
+            self.asked.append(key)
+        if self.hold:
+            self.hold(key)
+        with self.lock:  # the tiny model is not thread-safe to run twice at once on 2 cores anyway
+            return self.backend.generate([request])[0]
+
+
+def test_per_conversation_schedule_asks_next_turns_without_waiting_and_equals_waves(tiny_target):
+    """A concurrent backend gets each conversation's next turn as soon as its answer returns: a long
+    conversation's later turns do not wait for a slow batch-mate (under waves they would, and the held
+    request below would time out). The records equal the wave schedule's."""
+    items = [RegenItem("long", None, ("a1", "a2", "a3")), RegenItem("slow", None, ("b1",)),
+             RegenItem("mid", None, ("c1", "c2"))]
+    waves = regen_batch(HFBackend(tiny_target, max_new_tokens=8), items, seed=0)
+    released = threading.Event()
+
+    def hold(key):  # b1 is answered only once the long conversation has asked its last turn
+        if key == ("a3", 2):
+            released.set()
+        if key == ("b1", 0):
+            assert released.wait(timeout=60), "a3 was never asked while b1 was in flight"
+
+    backend = OneAtATime(HFBackend(tiny_target, max_new_tokens=8), concurrency=3, hold=hold)
+    streamed = regen_batch(backend, items, seed=0)
+    assert streamed.records == waves.records and not streamed.failures
+    assert streamed.stats["schedule"] == {"conversation": 1} and waves.stats["schedule"] == {"waves": 1}
+    assert backend.asked.index(("a3", 2)) > backend.asked.index(("b1", 0))
+    assert streamed.stats["tokens"] == waves.stats["tokens"] and streamed.stats["turns"] == 6
 
 
 def test_stop_tokens_and_degenerate_flags(tiny_target):

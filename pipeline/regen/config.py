@@ -9,6 +9,8 @@ class OpenAIBackendConfig:
     base_url: str = "http://127.0.0.1:8000/v1"
     model: str = "default"
     api_key_env: str = "OPENAI_API_KEY"
+    # Conversations in flight; each sends its next turn as soon as its answer returns. Set it to the server's
+    # parallel slots (llama.cpp `-np`, vLLM/SGLang max running requests) so continuous batching stays full.
     concurrency: int = 8
     timeout_s: float = 120.0
     max_retries: int = 4

@@ -48,6 +48,7 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 
 class HFBackend:
     name = "hf"
+    concurrency = 0  # one padded batch per wave (waves.py)
 
     def __init__(self, target: Target, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0):
         if max_new_tokens < 1:

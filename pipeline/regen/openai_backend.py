@@ -1,7 +1,8 @@
 """Generation through any OpenAI-compatible `/v1/chat/completions` server (vLLM, SGLang, llama.cpp's server).
 
-The server applies the chat template and batches requests itself; here a wave's requests are sent with bounded
-concurrency, each with a timeout and retries with exponential backoff on transient errors (connection, timeout,
+The server applies the chat template and batches requests itself; here `concurrency` conversations are kept in
+flight, each asking its next turn as soon as its answer returns (waves.py), so a server with parallel slots and
+continuous batching stays full. Each request has a timeout and retries with exponential backoff on transient errors (connection, timeout,
 408/409/429/5xx). A request that still fails becomes a `Failure` with its reason; the run goes on.
 Standard library HTTP only, so nothing else needs installing.
 """
@@ -51,7 +52,8 @@ class OpenAIBackend:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.tokenizer = tokenizer  # only to count tokens when the server reports no usage
         self.api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        self.pool = ThreadPoolExecutor(max_workers=max(1, cfg.concurrency), thread_name_prefix="regen-openai")
+        self.concurrency = max(1, cfg.concurrency)  # conversations in flight (set it to the server's slots)
+        self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="regen-openai")
         self.model = self._resolve_model()
 
     # -- HTTP ------------------------------------------------------------------------------------------
@@ -120,9 +122,9 @@ class OpenAIBackend:
         return sum(len(m["content"]) for m in item.first_prompt())
 
     def generate(self, requests: list[Request]) -> list[Union[Answer, Failure]]:
-        return list(self.pool.map(self._complete, requests))
+        return list(self.pool.map(self.complete, requests))
 
-    def _complete(self, request: Request) -> Union[Answer, Failure]:
+    def complete(self, request: Request) -> Union[Answer, Failure]:
         body = {"model": self.model, "messages": request.messages, "max_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": request.seed, "stream": False}
         try:

@@ -1,15 +1,21 @@
-"""One batch of conversations, answered in waves.
+"""One batch of conversations, answered turn after turn.
 
-Turn k of a conversation needs the target's answer to turn k-1, so a batch is answered wave by wave: wave k
-asks every conversation that has a k-th user turn, with the history regenerated so far. A conversation whose
-request fails is dropped from later waves and reported; the rest of the batch goes on.
+Turn k of a conversation needs the target's answer to turn k-1. Two schedules:
+- waves, for backends that generate a list of requests as one batch (hf): wave k asks every conversation
+  that has a k-th user turn, with the history regenerated so far;
+- per conversation, for backends that serve concurrent requests themselves (a server with parallel slots
+  and continuous batching, `Backend.concurrency`): each conversation asks its next turn as soon as its
+  previous answer returns, so the server's slots never wait for a wave's slowest answer.
+A conversation whose request fails stops there and is reported; the rest of the batch goes on. Both
+schedules send the same requests (same history, same per-turn seed) and give the same records.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Protocol, Union
 
 from pipeline.regen.batching import RegenItem, derive_seed
 
@@ -38,10 +44,15 @@ class Request:
 
 class Backend(Protocol):
     name: str
+    # > 0: requests may be sent one at a time from this many threads (per-conversation schedule, `complete`);
+    # 0: one batch per wave (`generate`).
+    concurrency: int
 
     def prompt_length(self, item: RegenItem) -> int: ...
 
     def generate(self, requests: list[Request]) -> list[Union[Answer, Failure]]: ...
+
+    def complete(self, request: Request) -> Union[Answer, Failure]: ...
 
 
 @dataclass
@@ -78,14 +89,14 @@ def to_sharegpt(item: RegenItem, answers: list[Answer], flags: dict[str, list[in
     return record
 
 
-def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenerate: str = "flag") -> BatchResult:
-    if on_degenerate not in ON_DEGENERATE:
-        raise ValueError(f"regen.on_degenerate must be one of {ON_DEGENERATE}, got {on_degenerate!r}")
-    t0 = time.perf_counter()
+def _failure(item: RegenItem, turn: int, out: Failure) -> dict:
+    return {"id": item.id, "turn": turn, "reason": out.reason, "detail": out.detail, "attempts": out.attempts}
+
+
+def _by_waves(backend: Backend, items: list[RegenItem], seed: int) -> tuple[list[list[Answer]], dict[int, dict]]:
     histories = [item.prefix() for item in items]
     answers: list[list[Answer]] = [[] for _ in items]
     failed: dict[int, dict] = {}
-    n_tokens = 0
     for turn in range(max(len(item.user_turns) for item in items)):
         active = [i for i, item in enumerate(items) if turn < len(item.user_turns) and i not in failed]
         if not active:
@@ -95,12 +106,43 @@ def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenera
         requests = [Request(list(histories[i]), derive_seed(seed, items[i].id, turn)) for i in active]
         for i, out in zip(active, backend.generate(requests)):
             if isinstance(out, Failure):
-                failed[i] = {"id": items[i].id, "turn": turn, "reason": out.reason, "detail": out.detail,
-                             "attempts": out.attempts}
+                failed[i] = _failure(items[i], turn, out)
                 continue
-            n_tokens += out.n_tokens
             answers[i].append(out)
             histories[i].append({"role": "assistant", "content": out.text})
+    return answers, failed
+
+
+def _conversation(backend: Backend, item: RegenItem, seed: int) -> tuple[list[Answer], Optional[dict]]:
+    history, answers = item.prefix(), []
+    for turn, question in enumerate(item.user_turns):
+        history.append({"role": "user", "content": question})
+        out = backend.complete(Request(list(history), derive_seed(seed, item.id, turn)))
+        if isinstance(out, Failure):
+            return answers, _failure(item, turn, out)
+        answers.append(out)
+        history.append({"role": "assistant", "content": out.text})
+    return answers, None
+
+
+def _by_conversation(backend: Backend, items: list[RegenItem], seed: int
+                     ) -> tuple[list[list[Answer]], dict[int, dict]]:
+    # Longest conversations first: they bound the batch's time, so they must not start last.
+    order = sorted(range(len(items)), key=lambda i: -len(items[i].user_turns))
+    with ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="regen-conv") as pool:
+        done = dict(zip(order, pool.map(lambda i: _conversation(backend, items[i], seed), order)))
+    answers = [done[i][0] for i in range(len(items))]
+    failed = {i: done[i][1] for i in range(len(items)) if done[i][1] is not None}
+    return answers, failed
+
+
+def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenerate: str = "flag") -> BatchResult:
+    if on_degenerate not in ON_DEGENERATE:
+        raise ValueError(f"regen.on_degenerate must be one of {ON_DEGENERATE}, got {on_degenerate!r}")
+    t0 = time.perf_counter()
+    schedule = _by_conversation if getattr(backend, "concurrency", 0) > 0 else _by_waves
+    answers, failed = schedule(backend, items, seed)
+    n_tokens = sum(a.n_tokens for turns in answers for a in turns)
 
     records, degenerate, dropped = [], Counter(), 0
     for i, item in enumerate(items):
@@ -125,5 +167,6 @@ def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenera
         "dropped_degenerate": dropped,
         "failed": len(failed),
         "failures_by_reason": dict(Counter(f["reason"] for f in failed.values())),
+        "schedule": {schedule.__name__.removeprefix("_by_"): 1},  # batches per schedule (sums across shards)
     }
     return BatchResult(records, list(failed.values()), stats)
