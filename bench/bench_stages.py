@@ -145,10 +145,14 @@ def bench_regen(args, work: Path) -> dict:
         try:
             props = server.props().get("default_generation_settings", {})
             openai = OpenAIBackendConfig(base_url=server.base_url, concurrency=args.slots, timeout_s=600)
-            row = regen_once(work, "llama.cpp", args.conversations, args.max_new_tokens, args.slots, cfg32, openai)
-            row.update(server_startup_s=server.startup_s, slots=args.slots,
-                       server_sampling={k: props.get("params", props).get(k) for k in
-                                        ("temperature", "repeat_penalty", "top_k", "top_p", "min_p")})
+            # One batch: conversations enter the server's slots as others finish (per-conversation schedule).
+            row = regen_once(work, "llama.cpp", args.conversations, args.max_new_tokens, args.conversations, cfg32,
+                             openai)
+            # Requests ask temperature 0 (llama.cpp then samples greedily: argmax, no other sampler) and
+            # top_p 1; the server's own defaults below apply to nothing else but repeat_penalty (1.0: off).
+            row.update(server_startup_s=server.startup_s, slots=args.slots, request_sampling={
+                "temperature": 0.0, "top_p": 1.0}, server_defaults={k: props.get("params", props).get(k) for k in
+                                                                   ("temperature", "repeat_penalty", "top_k", "top_p")})
             rows["llama.cpp"] = row
         finally:
             server.close()
@@ -173,7 +177,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--llama-server", default=str(REPO / ".cache" / "llama.cpp" / "bin" / "llama-server"))
-    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--ctx-per-slot", type=int, default=2560)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="hf-fp32,hf-bf16,llama.cpp",
