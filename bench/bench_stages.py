@@ -132,30 +132,31 @@ def agreement(base: dict[str, list[str]], other: dict[str, list[str]]) -> dict:
 
 
 def bench_regen(args, work: Path) -> dict:
+    """Each engine once, fastest first (a long bench interrupted keeps its finished engines in --work)."""
     rows = {}
     cfg32 = TargetConfig(dtype="float32")
-    rows["hf-fp32"] = regen_once(work, "hf-fp32", args.conversations, args.max_new_tokens, args.hf_batch, cfg32)
-    if "hf-bf16" in args.engines:
-        rows["hf-bf16"] = regen_once(work, "hf-bf16", args.conversations, args.max_new_tokens, args.hf_batch,
-                                     TargetConfig(dtype="bfloat16"))
     if args.llama_server and "llama.cpp" in args.engines:
         gguf = packaged_gguf(cfg32.gguf_package, cfg32.gguf_file)
         server = LlamaServer(args.llama_server, gguf, args.slots, args.ctx_per_slot, torch.get_num_threads(),
                              work / "llama-server.log")
         try:
             props = server.props().get("default_generation_settings", {})
-            openai = OpenAIBackendConfig(base_url=server.base_url, concurrency=args.slots, timeout_s=600)
+            openai = OpenAIBackendConfig(base_url=server.base_url, concurrency=args.slots, timeout_s=1800)
             # One batch: conversations enter the server's slots as others finish (per-conversation schedule).
             row = regen_once(work, "llama.cpp", args.conversations, args.max_new_tokens, args.conversations, cfg32,
                              openai)
             # Requests ask temperature 0 (llama.cpp then samples greedily: argmax, no other sampler) and
-            # top_p 1; the server's own defaults below apply to nothing else but repeat_penalty (1.0: off).
+            # top_p 1; of the server's defaults below only repeat_penalty applies (1.0: off).
             row.update(server_startup_s=server.startup_s, slots=args.slots, request_sampling={
                 "temperature": 0.0, "top_p": 1.0}, server_defaults={k: props.get("params", props).get(k) for k in
                                                                    ("temperature", "repeat_penalty", "top_k", "top_p")})
             rows["llama.cpp"] = row
         finally:
             server.close()
+    if "hf-bf16" in args.engines:
+        rows["hf-bf16"] = regen_once(work, "hf-bf16", args.conversations, args.max_new_tokens, args.hf_batch,
+                                     TargetConfig(dtype="bfloat16"))
+    rows["hf-fp32"] = regen_once(work, "hf-fp32", args.conversations, args.max_new_tokens, args.hf_batch, cfg32)
     base = rows["hf-fp32"]
     for name, row in rows.items():
         row["ratio_to_hf_fp32"] = row["tokens_per_s"] / base["tokens_per_s"]
