@@ -1,9 +1,9 @@
 """Two device checks of the GPU kit (device.py runs them; both run on CPU too, for the dry run).
 
 --ties: bf16 tree decoding against bf16 vanilla decoding on a seeded tiny Llama. A tree forward and a one-token
-  forward round differently in bf16, so the two may part; where they do, vanilla's top-2 logit margin at the
-  first differing position is reported against a rounding bound (a few bf16 ulps of the top logit): a
-  divergence inside the bound is a numerical tie, one outside it is a bug.
+  forward round differently in bf16, so the two may part; where they do, the margin between vanilla's token
+  and the tree decoder's at the first differing position is checked against the rounding bound derived in
+  tests/bf16_ties.py: a divergence inside it is a numerical tie, one outside it is a bug.
 --tree-cost: the verification forward's wall time by tree size on the target (bench_tree.forward_cost).
 """
 from __future__ import annotations
@@ -20,41 +20,20 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 
-BF16_ULP = 2.0**-7  # spacing of bf16 numbers in [1, 2): 8 significant bits
-TIE_ULPS = 4  # a tree forward and a one-token forward may each round the top two logits by ~2 ulps
-
-
-def tie_bound(top: float) -> float:
-    return TIE_ULPS * BF16_ULP * max(1.0, abs(top))
-
-
 def ties(device: str, prompts: int = 6, new_tokens: int = 96) -> dict:
+    """The suite's tie criterion (tests/bf16_ties.py), on this device."""
+    from bf16_ties import divergences
     from conftest import build_tiny_llama, build_tiny_tokenizer
-    from pipeline.eval.decoder import generate, vanilla_generate
     from pipeline.eval.drafter import OracleDrafter
 
     tok = build_tiny_tokenizer()
     model = build_tiny_llama(len(tok)).to(device=device, dtype=torch.bfloat16).eval()
     questions = ["What is 12 times 7?", "Write a short poem about the sea.", "def add(a, b):",
                  "Hello! How can I help you today?", "The quick brown fox", "Speculative decoding drafts tokens"]
-    rows = []
-    for i, q in enumerate(questions[:prompts]):
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
-        base = vanilla_generate(model, ids, new_tokens, eos_token_ids=())
-        drafter = OracleDrafter(list(ids) + base.tokens, model.config.vocab_size, miss_rate=0.1, seed=i)
-        spec = generate(model, drafter, ids, new_tokens, top_k=10, depth=6, total_tokens=60, eos_token_ids=())
-        at = next((j for j, (a, b) in enumerate(zip(spec.tokens, base.tokens)) if a != b), None)
-        row = {"prompt": i, "identical": spec.tokens == base.tokens, "tau": round(spec.tau, 2)}
-        if at is not None:
-            with torch.no_grad():
-                context = torch.tensor([list(ids) + base.tokens[:at]], device=device)
-                logits = model(context).logits[0, -1].float()
-            top2 = logits.topk(2).values.tolist()
-            margin = top2[0] - top2[1]
-            row.update(first_divergence=at, margin=margin, bound=tie_bound(top2[0]),
-                       tie=margin <= tie_bound(top2[0]))
-        rows.append(row)
+    ids = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for q in questions[:prompts]]
+    rows = divergences(model, ids, new_tokens,
+                       lambda ref, i: OracleDrafter(ref, model.config.vocab_size, miss_rate=0.1, seed=i))
     return {"dtype": "bfloat16", "device": device, "prompts": len(rows),
             "identical": sum(r["identical"] for r in rows),
             "divergences_outside_tie_bound": sum(1 for r in rows if not r["identical"] and not r["tie"]),
