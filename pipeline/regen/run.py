@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -27,7 +28,7 @@ from pipeline.regen.waves import ON_DEGENERATE, regen_batch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("hf", "openai")
+BACKENDS = ("auto", "hf", "llamacpp", "openai")
 
 
 def main(cfg: EagletConfig) -> Optional[dict]:
@@ -44,29 +45,36 @@ def main(cfg: EagletConfig) -> Optional[dict]:
         raise ValueError("regen: the data sources hold no usable conversation")
 
     backend, fingerprint, generation = make_backend(cfg, info)
+    try:  # a managed llama.cpp server is stopped however the run ends
+        return _run(cfg, info, items, report, backend, fingerprint, generation, t0)
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
+
+
+def _run(cfg: EagletConfig, info: RankInfo, items: list[RegenItem], report: BadRecordReport, backend,
+         fingerprint: dict, generation: dict, t0: float) -> Optional[dict]:
+    rcfg = cfg.regen
     plan = make_plan(items, rcfg.batch_size, rcfg.batches_per_shard, backend.prompt_length)
     out = RegenDir(cfg.stage_dir("regen"))
     identity = {"plan": plan.digest, "conversations": len(items), "batches": plan.n_batches,
                 # fp32 is left out so runs started before precision was recorded still resume.
                 "generation": {k: v for k, v in generation.items()
-                               if k != "base_url" and not (k == "precision" and v == "float32")},
+                               if k not in ("base_url", "server") and not (k == "precision" and v == "float32")},
                 "target": {k: fingerprint.get(k) for k in FINGERPRINT_KEYS}}
     resumed = out.claim(identity, rcfg.overwrite, single_rank=info.world_size == 1)
     if info.world_size == 1:
         out.remove_stale_tmp()
-    log.info("regen rank %d/%d: %d conversations, %d batches, %d shards -> %s%s", info.rank, info.world_size,
-             len(items), plan.n_batches, plan.n_shards, out.root, " (resuming)" if resumed else "")
+    log.info("regen rank %d/%d (%s): %d conversations, %d batches, %d shards -> %s%s", info.rank, info.world_size,
+             generation["backend"], len(items), plan.n_batches, plan.n_shards, out.root,
+             " (resuming)" if resumed else "")
     if plan.n_shards < info.world_size:
         log.warning("only %d shards for %d ranks: lower regen.batches_per_shard or batch_size to use them all",
                     plan.n_shards, info.world_size)
 
     if rcfg.finalize_partial:
         return finalize_partial(cfg, out, report, fingerprint, generation, plan, t0) if info.is_main else None
-    try:
-        fresh = run_rank(out, plan, items, backend, rcfg, info)
-    finally:
-        if hasattr(backend, "close"):
-            backend.close()
+    fresh = run_rank(out, plan, items, backend, rcfg, info)
     log.info("regen rank %d, this run: %s", info.rank, describe(fresh))
     if not info.is_main:
         return None
@@ -100,14 +108,30 @@ def _check(rcfg: RegenConfig) -> None:
         raise ValueError(f"regen.temperature must be >= 0 and 0 < top_p <= 1 (got {rcfg.temperature}, {rcfg.top_p})")
 
 
+def resolve_backend(cfg: EagletConfig) -> str:
+    """`auto`: llama.cpp's server when it can serve this target here (a GGUF, on CPU, the binary built),
+    else in-process HF generation."""
+    rcfg = cfg.regen
+    if rcfg.backend != "auto":
+        return rcfg.backend
+    from pipeline.regen.llama_server import find_binary
+    from pipeline.target import resolve_device, resolve_source
+
+    on_cpu = resolve_device(cfg.target.device).type == "cpu"
+    if on_cpu and find_binary(rcfg.llamacpp, cfg.target) is not None and resolve_source(cfg.target)[0] == "gguf":
+        return "llamacpp"
+    return "hf"
+
+
 def make_backend(cfg: EagletConfig, info: RankInfo):
     """(backend, target fingerprint, generation parameters)."""
     rcfg = cfg.regen
-    generation = {"backend": rcfg.backend, "max_new_tokens": rcfg.max_new_tokens, "temperature": rcfg.temperature,
+    name = resolve_backend(cfg)
+    generation = {"backend": name, "max_new_tokens": rcfg.max_new_tokens, "temperature": rcfg.temperature,
                   "top_p": rcfg.top_p, "seed": rcfg.seed, "batch_size": rcfg.batch_size,
                   "batches_per_shard": rcfg.batches_per_shard, "on_degenerate": rcfg.on_degenerate,
                   "system_prompt": cfg.data.system_prompt}
-    if rcfg.backend == "hf":
+    if name == "hf":
         from pipeline.regen.hf_backend import HFBackend
         from pipeline.target import load_target
 
@@ -123,10 +147,46 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
     tokenizer = load_tokenizer(cfg.target)
     if tokenizer.pad_token_id is None:  # as load_target does, so both backends digest the same tokenizer
         tokenizer.pad_token = tokenizer.eos_token
-    fingerprint = served_fingerprint(cfg, tokenizer)
-    backend = OpenAIBackend(rcfg.openai, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer)
+    server = None
+    openai_cfg = rcfg.openai
+    if name == "llamacpp":
+        server = start_llama_server(cfg, info)
+        openai_cfg = dataclasses.replace(rcfg.openai, base_url=server.base_url, model="default",
+                                         concurrency=rcfg.llamacpp.slots, timeout_s=rcfg.llamacpp.timeout_s)
+        generation["server"] = {"command": server.command[1:], "startup_s": round(server.startup_s, 2)}
+    try:
+        backend = OpenAIBackend(openai_cfg, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
+                                server=server)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    fingerprint = served_fingerprint(cfg, tokenizer, openai_cfg)
     generation.update(served_model=backend.model, base_url=backend.base_url)
     return backend, fingerprint, generation
+
+
+def start_llama_server(cfg: EagletConfig, info: RankInfo):
+    from pipeline.regen.llama_server import LlamaServer, binary_path, find_binary
+    from pipeline.target import resolve_source
+
+    kind, gguf = resolve_source(cfg.target)
+    if kind != "gguf":
+        raise ValueError(f"regen.backend=llamacpp serves a GGUF target; target {cfg.target.name} is a {kind} "
+                         f"({cfg.target.path}): use regen.backend=hf")
+    binary = find_binary(cfg.regen.llamacpp, cfg.target)
+    if binary is None:
+        raise FileNotFoundError(f"no llama-server executable at {binary_path(cfg.regen.llamacpp, cfg.target)}: "
+                                "build it with `make llama-server` (or set regen.llamacpp.binary), or use "
+                                "regen.backend=hf")
+    from transformers import AutoConfig
+
+    from pipeline.target import materialize
+
+    hf_config = AutoConfig.from_pretrained(materialize(cfg.target)[0], revision=cfg.target.revision)
+    return LlamaServer(binary, Path(gguf), cfg.regen.llamacpp,
+                       cfg.stage_dir("regen") / f"llama-server.rank{info.rank}.log",
+                       max_seq=getattr(hf_config, "max_position_embeddings", None) or 4096)
 
 
 def _rank_device(cfg: EagletConfig, info: RankInfo):
@@ -137,7 +197,7 @@ def _rank_device(cfg: EagletConfig, info: RankInfo):
     return cfg.target
 
 
-def served_fingerprint(cfg: EagletConfig, tokenizer) -> dict:
+def served_fingerprint(cfg: EagletConfig, tokenizer, served) -> dict:
     """`compute_fingerprint`'s fields for the configured target (what the served model must be), from its config
     and tokenizer only: the weights that generate are on the server, so `weights_digest` is None rather than a
     digest of local weights that did not generate."""
@@ -150,7 +210,7 @@ def served_fingerprint(cfg: EagletConfig, tokenizer) -> dict:
     return {"name": cfg.target.name, "source": source, "hub_id": cfg.target.hub_id, "config": summary,
             "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
             "tokenizer_digest": tokenizer_digest(tokenizer), "weights_digest": None,
-            "served": {"base_url": cfg.regen.openai.base_url, "model": cfg.regen.openai.model}}
+            "served": {"base_url": served.base_url, "model": served.model}}
 
 
 def run_rank(out: RegenDir, plan: Plan, items: list[RegenItem], backend, rcfg: RegenConfig, info: RankInfo) -> dict:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Union
 
 from pipeline.regen.batching import RegenItem, derive_seed
