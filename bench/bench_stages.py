@@ -1,5 +1,5 @@
 """Every stage at this machine's speed, variants side by side in one run (issue: bf16 on AMX CPUs, a faster
-regeneration engine, one table of ratios). This first part measures the regeneration engines.
+regeneration engine, one table of ratios).
 
 regen: the real regen stage (`pipeline.regen.run.main`, multi-turn, resumable shards) on the same
 conversations of the quality experiment, greedy, once per engine:
@@ -12,21 +12,26 @@ server start excluded, and reported). Answers of each engine are compared with h
 identical answers and the mean common prefix (in characters), so users see what an engine trades.
 
     python bench/bench_stages.py --conversations 128 --max-new-tokens 256 \
-        --llama-server .cache/llama.cpp/bin/llama-server          # make llama-server builds it
-Writes bench/results/stages.json (or --out).
+        --llama-server ~/.cache/eaglet/llama.cpp/bin/llama-server   # make llama-server builds it there
+dump, train, eval: the real stages, fp32 against bf16 (`auto` on a CPU with fast bf16), on the regenerated
+conversations of the regen bench (the llama.cpp run's, else hf-fp32's):
+  - dump: tokens/s (shard time, model load excluded) and bytes per token on disk;
+  - train: EAGLE-3, 7 TTT rounds, micro-batches of 4096 tokens (the quality experiment's), `--train-steps`
+    optimizer steps on each precision's dump; tokens/s over the steps after the first two (warm-up);
+  - eval: the fp32-trained head decoding `--eval-questions` MT-bench questions with an fp32 and a bf16 target:
+    tree-decoding tokens/s and tau of each, and vanilla decoding in both precisions.
+Writes bench/results/stages.json (or --out); each stage's key holds baseline, best and ratio.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,64 +42,24 @@ import torch  # noqa: E402
 from pipeline.config import EagletConfig  # noqa: E402
 from pipeline.data.config import DataConfig  # noqa: E402
 from pipeline.regen import run as regen_run  # noqa: E402
-from pipeline.regen.config import OpenAIBackendConfig, RegenConfig  # noqa: E402
+from pipeline.regen.config import LlamaCppConfig, RegenConfig  # noqa: E402
+from pipeline.regen.llama_server import binary_path  # noqa: E402
 from pipeline.regen.shards import regen_sources  # noqa: E402
-from pipeline.target import TargetConfig, packaged_gguf  # noqa: E402
+from pipeline.target import TargetConfig  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 # The quality experiment's first source (multi-turn ShareGPT): its first N conversations are the workload.
 WORKLOAD = SHARED / "sharegpt_sg92k_sample1000" / "sharegpt_1000.json"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """The real llama.cpp server on 127.0.0.1 with `slots` parallel sequences sharing one KV cache."""
-
-    def __init__(self, binary: str, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.log = open(log, "wb")
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
-             "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--no-webui"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        self.startup_s = self._wait()
-
-    def _wait(self, deadline_s: float = 120) -> float:
-        while time.perf_counter() - self.t0 < deadline_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {self.proc.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - self.t0
-            except OSError:
-                time.sleep(0.3)
-        raise RuntimeError("llama-server did not become healthy")
-
-    def props(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/props", timeout=10) as r:
-            return json.loads(r.read())
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
-
-
 def regen_once(work: Path, name: str, conversations: int, max_new_tokens: int, batch: int,
-               target: TargetConfig, openai: OpenAIBackendConfig | None = None) -> dict:
+               target: TargetConfig, llamacpp: LlamaCppConfig | None = None) -> dict:
     cfg = EagletConfig(
         name=name, output_root=str(work), target=target,
         data=DataConfig(sources=[{"path": str(WORKLOAD), "format": "sharegpt", "limit": conversations}]),
-        regen=RegenConfig(backend="openai" if openai else "hf", batch_size=batch, batches_per_shard=1,
-                          max_new_tokens=max_new_tokens, progress=False, **({"openai": openai} if openai else {})))
+        regen=RegenConfig(backend="llamacpp" if llamacpp else "hf", batch_size=batch, batches_per_shard=1,
+                          max_new_tokens=max_new_tokens, progress=False,
+                          **({"llamacpp": llamacpp} if llamacpp else {})))
     done = cfg.stage_dir("regen") / "manifest.json"
     t0 = time.perf_counter()
     if not done.is_file():  # a finished engine run in --work is reused, so a long bench resumes
@@ -136,23 +101,15 @@ def bench_regen(args, work: Path) -> dict:
     rows = {}
     cfg32 = TargetConfig(dtype="float32")
     if args.llama_server and "llama.cpp" in args.engines:
-        gguf = packaged_gguf(cfg32.gguf_package, cfg32.gguf_file)
-        server = LlamaServer(args.llama_server, gguf, args.slots, args.ctx_per_slot, torch.get_num_threads(),
-                             work / "llama-server.log")
-        try:
-            props = server.props().get("default_generation_settings", {})
-            openai = OpenAIBackendConfig(base_url=server.base_url, concurrency=args.slots, timeout_s=1800)
-            # One batch: conversations enter the server's slots as others finish (per-conversation schedule).
-            row = regen_once(work, "llama.cpp", args.conversations, args.max_new_tokens, args.conversations, cfg32,
-                             openai)
-            # Requests ask temperature 0 (llama.cpp then samples greedily: argmax, no other sampler) and
-            # top_p 1; of the server's defaults below only repeat_penalty applies (1.0: off).
-            row.update(server_startup_s=server.startup_s, slots=args.slots, request_sampling={
-                "temperature": 0.0, "top_p": 1.0}, server_defaults={k: props.get("params", props).get(k) for k in
-                                                                   ("temperature", "repeat_penalty", "top_k", "top_p")})
-            rows["llama.cpp"] = row
-        finally:
-            server.close()
+        # regen's own managed server (regen.backend=llamacpp): one batch, conversations enter the slots as
+        # others finish (per-conversation schedule). Requests ask temperature 0 (llama.cpp then samples
+        # greedily: argmax, no other sampler) and top_p 1; repeat_penalty stays at the server's 1.0 (off).
+        llamacpp = LlamaCppConfig(binary=args.llama_server, slots=args.slots, ctx_per_slot=args.ctx_per_slot,
+                                  threads=args.threads)
+        row = regen_once(work, "llama.cpp", args.conversations, args.max_new_tokens, args.conversations, cfg32,
+                         llamacpp)
+        row.update(slots=args.slots, request_sampling={"temperature": 0.0, "top_p": 1.0})
+        rows["llama.cpp"] = row
     if "hf-bf16" in args.engines:
         rows["hf-bf16"] = regen_once(work, "hf-bf16", args.conversations, args.max_new_tokens, args.hf_batch,
                                      TargetConfig(dtype="bfloat16"))
@@ -172,17 +129,108 @@ def bench_regen(args, work: Path) -> dict:
             "ratio": rows[best]["tokens_per_s"] / base["tokens_per_s"], "engines": rows}
 
 
+def stage_cfg(work: Path, name: str, regen_dir: Path, precision: str, **sections) -> EagletConfig:
+    """An experiment under `work` whose regen stage is `regen_dir` (linked), at `precision`."""
+    from pipeline.config import EvalConfig, HeadConfig
+    from pipeline.hidden_states.config import DumpConfig
+    from pipeline.train.config import TrainConfig
+
+    link = work / name / "regen"
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(regen_dir.resolve())
+    return EagletConfig(name=name, output_root=str(work), target=TargetConfig(dtype=precision),
+                        dump=sections.get("dump", DumpConfig()), train=sections.get("train", TrainConfig()),
+                        head=sections.get("head", HeadConfig()), eval=sections.get("eval", EvalConfig()))
+
+
+def pair(name_fp32: str, fp32: float, name_bf16: str, bf16: float) -> dict:
+    best = (name_bf16, bf16) if bf16 > fp32 else (name_fp32, fp32)
+    return {"baseline": {"name": name_fp32, "tokens_per_s": fp32},
+            "best": {"name": best[0], "tokens_per_s": best[1]}, "ratio": best[1] / fp32}
+
+
+def bench_dump(work: Path, regen_dir: Path, conversations: int) -> tuple[dict, dict]:
+    from pipeline.hidden_states import run as dump_run
+    from pipeline.hidden_states.config import DumpConfig
+
+    rows, cfgs = {}, {}
+    for precision in ("float32", "bfloat16"):
+        cfg = cfgs[precision] = stage_cfg(work, f"stages-{precision}", regen_dir, precision,
+                                          dump=DumpConfig(limit=conversations))
+        if not (cfg.stage_dir("dump") / "manifest.json").is_file():
+            dump_run.main(cfg)
+        m = json.loads((cfg.stage_dir("dump") / "manifest.json").read_text())
+        rows[precision] = {"tokens": m["counts"]["tokens"], "tokens_per_s": m["timings"]["tokens_per_s"],
+                           "bytes_per_token": m["totals"]["bytes_per_token"], "storage": m["dtype"],
+                           "precision": m["precision"]}
+    out = pair("float32", rows["float32"]["tokens_per_s"], "bfloat16", rows["bfloat16"]["tokens_per_s"])
+    out.update(bytes_per_token={p: r["bytes_per_token"] for p, r in rows.items()},
+               bytes_ratio=rows["bfloat16"]["bytes_per_token"] / rows["float32"]["bytes_per_token"], runs=rows)
+    return out, cfgs
+
+
+def bench_train(cfgs: dict, steps: int) -> dict:
+    from pipeline.config import HeadConfig
+    from pipeline.train import run as train_run
+    from pipeline.train.config import TrainConfig
+
+    rows = {}
+    for precision, cfg in cfgs.items():
+        cfg.head = HeadConfig(ttt_steps=7, draft_vocab_size=8000)
+        cfg.train = TrainConfig(max_steps=steps, micro_batch_tokens=4096, warmup_steps=2, save_every=0,
+                                eval_every=0, tau_prompts=0, plot=False, lr=1e-3, val_max_batches=2,
+                                mixed_precision="bf16" if precision == "bfloat16" else "no")
+        metrics = cfg.stage_dir("train") / "metrics.jsonl"
+        if not (cfg.stage_dir("train") / "manifest.json").is_file():
+            train_run.main(cfg)
+        steps_done = [json.loads(line) for line in metrics.read_text().splitlines()]
+        rates = [r["tokens_per_s"] for r in steps_done if "tokens_per_s" in r][2:]
+        rows[precision] = {"steps_timed": len(rates), "tokens_per_s": sum(rates) / len(rates),
+                           "precision": json.loads((cfg.stage_dir("train") / "manifest.json").read_text())["precision"]}
+    out = pair("float32", rows["float32"]["tokens_per_s"], "bfloat16", rows["bfloat16"]["tokens_per_s"])
+    out.update(settings={"head": "eagle3", "ttt_steps": 7, "micro_batch_tokens": 4096, "steps": steps}, runs=rows)
+    return out
+
+
+def bench_eval(cfgs: dict, questions: int, max_new_tokens: int) -> dict:
+    from pipeline.config import EvalConfig
+    from pipeline.eval import run as eval_run
+
+    rows = {}
+    head_cfg = cfgs["float32"]  # one head (trained on the fp32 dump), decoded with each precision's target
+    for precision in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(head_cfg, target=TargetConfig(dtype=precision), eval=EvalConfig(
+            questions=str(SHARED / "mt_bench" / "question.jsonl"), limit=questions, max_new_tokens=max_new_tokens))
+        summary_path = cfg.stage_dir("eval") / "summary.json"
+        if not summary_path.is_file():
+            eval_run.main(cfg)
+        s = json.loads(summary_path.read_text())
+        rows[precision] = {"tau": s["tau"], "tokens_per_s": s["spec_tokens_per_s"],
+                           "vanilla_tokens_per_s": s["baseline_tokens_per_s_by_precision"],
+                           "speedup": s["speedup"], "greedy_matches_baseline": s.get("greedy_matches_baseline")}
+    out = pair("float32", rows["float32"]["tokens_per_s"], "bfloat16", rows["bfloat16"]["tokens_per_s"])
+    out.update(tau_difference=rows["bfloat16"]["tau"] - rows["float32"]["tau"],
+               settings={"questions": questions, "max_new_tokens": max_new_tokens, "tree": "10x6x60"}, runs=rows)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=64)
-    ap.add_argument("--llama-server", default=str(REPO / ".cache" / "llama.cpp" / "bin" / "llama-server"))
+    ap.add_argument("--llama-server", default=str(binary_path(LlamaCppConfig(), TargetConfig())))
     ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--ctx-per-slot", type=int, default=2560)
+    ap.add_argument("--ctx-per-slot", type=int, default=2560)  # the workload's longest prompt + 256 fits
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="hf-fp32,hf-bf16,llama.cpp",
                     help="comma-separated; hf-fp32, the baseline, always runs")
+    ap.add_argument("--stages", default="regen,dump,train,eval")
+    ap.add_argument("--dump-conversations", type=int, default=48)
+    ap.add_argument("--train-steps", type=int, default=20)
+    ap.add_argument("--eval-questions", type=int, default=5)
+    ap.add_argument("--eval-max-new-tokens", type=int, default=64)
     ap.add_argument("--work", default=None, help="keep engine runs here; finished ones are reused on a rerun")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "stages.json"))
     args = ap.parse_args()
@@ -191,13 +239,27 @@ def main() -> None:
         print(f"no llama-server at {args.llama_server} (make llama-server); measuring the hf engines only")
         args.llama_server = None
     args.engines = set(args.engines.split(","))
+    stages = args.stages.split(",")
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.is_file() else {}  # stages not rerun keep their figures
+    result["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                         "threads": args.threads, "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="eaglet-bench-stages-") as tmp:
-        result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                              "threads": args.threads, "torch": torch.__version__},
-                  "regen": bench_regen(args, Path(args.work or tmp))}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["regen"], indent=1))
-
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if "regen" in stages:
+            result["regen"] = bench_regen(args, work)
+        regen_dir = next((work / e / "regen" for e in ("llama.cpp", "hf-fp32")
+                          if (work / e / "regen" / "manifest.json").is_file()), None)
+        if regen_dir is not None and "dump" in stages:
+            result["dump"], cfgs = bench_dump(work, regen_dir, args.dump_conversations)
+            if "train" in stages:
+                result["train"] = bench_train(cfgs, args.train_steps)
+            if "eval" in stages:
+                result["eval"] = bench_eval(cfgs, args.eval_questions, args.eval_max_new_tokens)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: {f: v.get(f) for f in ("baseline", "best", "ratio")} for k, v in result.items()
+                      if isinstance(v, dict) and "ratio" in v}, indent=1))
 
 if __name__ == "__main__":
     main()
