@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--llama-server", default=str(binary_path(LlamaCppConfig(), TargetConfig())))
-    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=32)  # 128 conversations: the longest chain bounds the run
     ap.add_argument("--ctx-per-slot", type=int, default=2560)  # the workload's longest prompt + 256 fits
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="hf-fp32,hf-bf16,llama.cpp",
