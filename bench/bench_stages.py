@@ -3,10 +3,10 @@ regeneration engine, one table of ratios).
 
 regen: the real regen stage (`pipeline.regen.run.main`, multi-turn, resumable shards) on the same
 conversations of the quality experiment, greedy, once per engine:
-  - hf-fp32: in-process batched HF generate in float32 (today's default);
+  - hf-fp32: in-process batched HF generate in float32 (the default before `auto` precision and llamacpp);
   - hf-bf16: the same with the target in bfloat16;
   - llama.cpp: the real llama.cpp `llama-server` (continuous batching over parallel slots) serving the same
-    SmolLM2 GGUF through regen's `openai` backend, with as many concurrent requests as slots.
+    SmolLM2 GGUF, started by regen itself (`regen.backend=llamacpp`), one conversation per slot.
 tokens/s is generated answer tokens over generation time (the manifest's `generation_s`: model load and
 server start excluded, and reported). Answers of each engine are compared with hf-fp32's: the share of
 identical answers and the mean common prefix (in characters), so users see what an engine trades.
@@ -222,7 +222,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--llama-server", default=str(binary_path(LlamaCppConfig(), TargetConfig())))
     ap.add_argument("--slots", type=int, default=32)  # 128 conversations: the longest chain bounds the run
-    ap.add_argument("--ctx-per-slot", type=int, default=2560)  # the workload's longest prompt + 256 fits
+    ap.add_argument("--ctx-per-slot", type=int, default=8192)  # the model's context: no conversation refused
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="hf-fp32,hf-bf16,llama.cpp",
                     help="comma-separated; hf-fp32, the baseline, always runs")

@@ -66,8 +66,9 @@ class EagletConfig:
         stem = path.parent.name if path.stem == "question" and path.parent.name else path.stem
         limit = f"-n{self.eval.limit}" if self.eval.limit else ""
         e = self.eval
-        # Everything that changes the numbers is in the name, so runs with other settings never collide or
-        # resume each other: set, limit, temperature, token budget, the target's precision and the tree.
+        # The settings that define a run are in the name (set, limit, temperature, token budget, the target's
+        # precision, the tree), so such runs sit side by side; any other difference (seed, baseline_limit,
+        # head) in an existing folder is refused by the eval's identity check, never mixed.
         return (f"{stem}{limit}-T{e.temperature:g}-m{e.max_new_tokens}-{self.target_precision}"
                 f"-tree{e.top_k}x{e.depth}x{e.total_tokens}")
 

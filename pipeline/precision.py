@@ -6,17 +6,25 @@ storage through the target's dtype).
 - CPU: bfloat16 only when torch itself reports a bf16 matmul path (AMX tiles, whose OS permission torch
   requests, or AVX512-BF16) *and* a short measurement confirms bf16 matmuls run clearly faster than fp32.
   Advertised CPU features are not proof: a feature can be listed and still fault or be emulated slowly.
+  The CPU decision is measured once per machine and torch version and kept in eaglet's cache
+  (`precision-<key>.json`), so reruns, resumed stages and ranks agree.
 `EAGLET_FAST_BF16=0|1` overrides the detection (the test suite pins it, so it means the same everywhere).
 Explicit `float32` / `bfloat16` / `float16` always win over detection.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
+import platform
 import time
+from pathlib import Path
 
 import torch
+
+from pipeline.manifest import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +75,56 @@ def measure_cpu_bf16_speedup(m: int = 512, k: int = 576, n: int = 1536, reps: in
     return times[torch.float32] / max(times[torch.bfloat16], 1e-9)
 
 
+def _decision_file() -> Path:
+    """Where this machine's CPU decision is kept: per CPU model and torch version, in eaglet's cache."""
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    key = hashlib.sha256(f"{model}|{torch.__version__}".encode()).hexdigest()[:12]
+    root = Path(os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet").expanduser()
+    return root / f"precision-{key}.json"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _cpu_decision() -> bool:
+    """Measured once per machine and torch version, then read back: a rerun, a resumed stage or another rank
+    on the same machine never flips precision on a measurement near the threshold."""
+    path = _decision_file()
+    try:
+        return bool(json.loads(path.read_text())["fast_bf16"])
+    except (OSError, ValueError, KeyError):
+        pass
+    speedup = measure_cpu_bf16_speedup()
+    fast = speedup >= MIN_CPU_SPEEDUP
+    log.info("CPU bf16 matmul %.1fx fp32: auto precision is %s (kept in %s)", speedup,
+             "bfloat16" if fast else "float32", path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"fast_bf16": fast, "speedup": round(speedup, 2),
+                                            "torch": torch.__version__}) + "\n")
+    except OSError as e:  # a read-only cache: decide per process
+        log.warning("could not keep the precision decision in %s: %s", path, e)
+    return fast
+
+
 @functools.lru_cache(maxsize=None)
 def fast_bf16(device_type: str) -> bool:
-    """Whether bf16 compute is fast on this kind of device (cached per process)."""
+    """Whether bf16 compute is fast on this kind of device (cached per process, and on disk for CPUs)."""
     override = os.environ.get(ENV_OVERRIDE)
     if override is not None:
         if override not in ("0", "1"):
             raise ValueError(f"{ENV_OVERRIDE}={override!r}: expected 0 or 1")
         return override == "1"
-    if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device_type == "cuda":  # native bf16 only (Ampere and later), not the emulation older GPUs offer
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     if device_type != "cpu" or not _cpu_bf16_advertised():
         return False
-    speedup = measure_cpu_bf16_speedup()
-    log.info("CPU bf16 matmul %.1fx fp32: auto precision is %s", speedup,
-             "bfloat16" if speedup >= MIN_CPU_SPEEDUP else "float32")
-    return speedup >= MIN_CPU_SPEEDUP
+    return _cpu_decision()
 
 
 def resolve_dtype(name: str, device: torch.device, what: str = "dtype") -> torch.dtype:

@@ -12,7 +12,7 @@ torch.set_num_threads(int(os.environ.get("EAGLET_TEST_THREADS", "2")))
 # `auto` precision resolves to float32 in the suite on every machine (the exactness tests mean the same with
 # and without fast bf16); tests of bf16 pick it explicitly. Subprocesses (pipeline.run, torchrun, Slurm
 # jobs) inherit it.
-os.environ.setdefault("EAGLET_FAST_BF16", "0")
+os.environ["EAGLET_FAST_BF16"] = "0"
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -130,6 +130,16 @@ def smollm2():
     from pipeline.target import load_target
 
     return load_target(TargetConfig(dtype="float32"))
+
+
+@pytest.fixture
+def fresh_precision():
+    """The capability decision recomputed inside the test (after it sets EAGLET_FAST_BF16) and after it."""
+    from pipeline import precision
+
+    precision.fast_bf16.cache_clear()
+    yield precision
+    precision.fast_bf16.cache_clear()
 
 
 @pytest.fixture(scope="session")

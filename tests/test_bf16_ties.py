@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bf16_ties import divergences
+import bf16_ties
+from bf16_ties import divergences, oracle
 from conftest import build_tiny_llama
 
 import pipeline.eval.decoder as decoder
-from pipeline.eval.drafter import OracleDrafter
-
-QUESTIONS = ["What is 12 times 7?", "Write a short poem about the sea.", "def add(a, b):",
-             "Hello! How can I help you today?", "The quick brown fox", "Speculative decoding drafts tokens"]
-
 
 @pytest.fixture(scope="module")
 def bf16_model(tiny_tokenizer):
@@ -22,21 +18,16 @@ def bf16_model(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def prompts(tiny_tokenizer):
-    return [tiny_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False) for q in QUESTIONS]
-
-
-def oracle(vocab_size):
-    return lambda reference, i: OracleDrafter(reference, vocab_size, miss_rate=0.1, seed=i)
+    return bf16_ties.prompts(tiny_tokenizer)
 
 
 def test_every_bf16_divergence_starts_at_a_tie(bf16_model, prompts):
     rows = divergences(bf16_model, prompts, 96, oracle(bf16_model.config.vocab_size))
     parted = [r for r in rows if not r["identical"]]
     print("\n" + "\n".join(str(r) for r in rows))
-    # The trees really accept drafts (multi-token verification forwards), and most prompts part somewhere:
-    # the check is exercised, not vacuous.
-    assert all(r["tau"] > 1.0 for r in rows) and len(parted) >= len(rows) // 2
+    # The trees really accept drafts (multi-token verification forwards). How many prompts part depends on
+    # the machine's bf16 kernels (here most do); the broken verifier below shows the check is not vacuous.
+    assert all(r["tau"] > 1.0 for r in rows)
     assert all(r["tie"] for r in parted), [r for r in parted if not r["tie"]]
 
 

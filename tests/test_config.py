@@ -62,13 +62,11 @@ def test_eval_run_names_name_precision_tree_and_budget(override, part):
     assert part in name and name != compose_cfg().eval_run_name
 
 
-def test_auto_precision_follows_the_capability(monkeypatch):
-    from pipeline import precision
+def test_auto_precision_follows_the_capability(monkeypatch, fresh_precision):
     for flag, want in (("1", "bfloat16"), ("0", "float32")):
-        monkeypatch.setenv(precision.ENV_OVERRIDE, flag)
-        precision.fast_bf16.cache_clear()
+        monkeypatch.setenv(fresh_precision.ENV_OVERRIDE, flag)
+        fresh_precision.fast_bf16.cache_clear()
         assert compose_cfg().target_precision == want
-    precision.fast_bf16.cache_clear()
 
 
 def test_misspelt_key_fails_at_compose_time():

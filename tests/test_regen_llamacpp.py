@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +47,7 @@ def _cfg(tmp_path, backend: str, target: TargetConfig = None, **llamacpp) -> Eag
     source = tmp_path / "convs.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     return EagletConfig(name=f"llamacpp-{backend}", output_root=str(tmp_path / "out"),
-                        target=target or TargetConfig(), data=DataConfig(sources=[str(source)]),
+                        target=target or TargetConfig(device="cpu"), data=DataConfig(sources=[str(source)]),
                         regen=RegenConfig(backend=backend, batch_size=3, batches_per_shard=1, max_new_tokens=16,
                                           progress=False, llamacpp=LlamaCppConfig(slots=2, ctx_per_slot=1024,
                                                                                   **llamacpp)))
@@ -63,6 +70,62 @@ def test_managed_server_regenerates_every_turn_and_stops(tmp_path, server_binary
     assert not _listening(int(command[command.index("--port") + 1]))  # stopped at the end
     log = (cfg.stage_dir("regen") / "llama-server.rank0.log").read_text()
     assert "slot" in log  # the server's own log is kept beside the shards
+
+
+def test_a_killed_regen_takes_its_server_down(tmp_path, server_binary):
+    """kill -9 skips regen's cleanup; the server still goes (the kernel signals it when its parent dies)."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
+        "from pathlib import Path\n"
+        "from test_regen_llamacpp import _cfg\n"
+        "from pipeline.regen import run\n"
+        "cfg = _cfg(Path(sys.argv[1]), 'llamacpp')\n"
+        "cfg.regen.max_new_tokens = 4000\n"
+        "run.main(cfg)\n")
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    log = tmp_path / "out" / "llamacpp-llamacpp" / "regen" / "llama-server.rank0.log"
+    deadline, port = time.monotonic() + 120, None
+    while port is None and time.monotonic() < deadline and child.poll() is None:
+        found = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log.read_text()) if log.exists() else None
+        port = int(found.group(1)) if found else time.sleep(0.2)
+    assert port is not None and _listening(port), "the server never came up"
+    time.sleep(1.0)  # generating now
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 30
+    while _listening(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _listening(port), "llama-server outlived the regen that started it"
+
+
+def test_a_server_that_dies_mid_run_loses_nothing(tmp_path, server_binary, monkeypatch):
+    """Requests in flight when our own server dies are not recorded as the conversations' failures: the run
+    stops with the server's exit code, saves nothing of that batch, and a rerun regenerates all of it."""
+    from pipeline.regen import llama_server
+    from pipeline.regen.openai_backend import ServerUnavailable
+    from pipeline.regen.shards import RegenDir
+
+    started = []
+    real_init = llama_server.LlamaServer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        started.append(self)
+        threading.Timer(2.0, self.proc.kill).start()  # mid-generation: 4000 new tokens take far longer
+
+    monkeypatch.setattr(llama_server.LlamaServer, "__init__", recording_init)
+    cfg = _cfg(tmp_path, "llamacpp")
+    cfg.regen.max_new_tokens = 4000
+    with pytest.raises(ServerUnavailable, match=r"exited with code -9 during the run"):
+        regen_run.main(cfg)
+    assert not RegenDir(cfg.stage_dir("regen")).shard_done(0)
+    monkeypatch.undo()
+    cfg.regen.max_new_tokens = 16
+    cfg.regen.overwrite = True  # the same data with another token budget
+    assert regen_run.main(cfg)["written"] == 3
 
 
 def test_auto_falls_back_to_hf_and_explicit_llamacpp_needs_a_gguf(tmp_path, tiny_model_dir):

@@ -1,5 +1,6 @@
 """Target loading: the GGUF is dequantized once into a cache; later loads are fast and identical."""
 import dataclasses
+import json
 import time
 
 import pytest
@@ -34,7 +35,8 @@ def test_identity_does_not_depend_on_the_compute_precision(tiny_model_dir):
     assert weights_digest(bf16.model) != fp32.fingerprint["weights_digest"]
 
 
-def test_auto_precision_is_the_capability_and_explicit_names_win(monkeypatch):
+def test_auto_precision_is_the_capability_and_explicit_names_win(monkeypatch, fresh_precision, tmp_path):
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))  # the measured decision is cached there
     cpu = torch.device("cpu")
     for flag, want in (("1", torch.bfloat16), ("0", torch.float32)):
         monkeypatch.setenv(precision.ENV_OVERRIDE, flag)
@@ -47,9 +49,13 @@ def test_auto_precision_is_the_capability_and_explicit_names_win(monkeypatch):
         resolve_dtype("auto", cpu)
     monkeypatch.delenv(precision.ENV_OVERRIDE)
     precision.fast_bf16.cache_clear()
-    # Without the override: torch's capability query, confirmed by a measurement (a ratio, always positive).
-    assert isinstance(precision.fast_bf16("cpu"), bool) and precision.measure_cpu_bf16_speedup() > 0
-    precision.fast_bf16.cache_clear()
+    # Without the override: torch's capability query, confirmed by a measurement (a ratio, always positive),
+    # decided once per machine and torch version: the cached decision is what later processes read.
+    decided = precision.fast_bf16("cpu")
+    assert isinstance(decided, bool) and precision.measure_cpu_bf16_speedup() > 0
+    cached = list(tmp_path.glob("precision-*.json"))
+    if precision._cpu_bf16_advertised():
+        assert len(cached) == 1 and json.loads(cached[0].read_text())["fast_bf16"] == decided
 
 
 def test_missing_paths_are_clear():

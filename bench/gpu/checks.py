@@ -22,18 +22,13 @@ import torch  # noqa: E402
 
 def ties(device: str, prompts: int = 6, new_tokens: int = 96) -> dict:
     """The suite's tie criterion (tests/bf16_ties.py), on this device."""
-    from bf16_ties import divergences
+    import bf16_ties
     from conftest import build_tiny_llama, build_tiny_tokenizer
-    from pipeline.eval.drafter import OracleDrafter
 
     tok = build_tiny_tokenizer()
     model = build_tiny_llama(len(tok)).to(device=device, dtype=torch.bfloat16).eval()
-    questions = ["What is 12 times 7?", "Write a short poem about the sea.", "def add(a, b):",
-                 "Hello! How can I help you today?", "The quick brown fox", "Speculative decoding drafts tokens"]
-    ids = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                   return_dict=False) for q in questions[:prompts]]
-    rows = divergences(model, ids, new_tokens,
-                       lambda ref, i: OracleDrafter(ref, model.config.vocab_size, miss_rate=0.1, seed=i))
+    rows = bf16_ties.divergences(model, bf16_ties.prompts(tok, prompts), new_tokens,
+                                 bf16_ties.oracle(model.config.vocab_size))
     return {"dtype": "bfloat16", "device": device, "prompts": len(rows),
             "identical": sum(r["identical"] for r in rows),
             "divergences_outside_tie_bound": sum(1 for r in rows if not r["identical"] and not r["tie"]),

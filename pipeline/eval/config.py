@@ -9,7 +9,8 @@ class EvalConfig:
     # MT-bench format question file; empty: the demo questions shipped with the package.
     questions: str = ""
     limit: Optional[int] = None
-    run_name: Optional[str] = None  # default: <questions stem>-T<temperature>
+    # default: <questions stem>[-n<limit>]-T<temperature>-m<max_new_tokens>-<precision>-tree<top_k>x<depth>x<total>
+    run_name: Optional[str] = None
     temperature: float = 0.0
     max_new_tokens: int = 256
     top_k: int = 10

@@ -24,30 +24,17 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.precision import DTYPES, dtype_name, parse_dtype
+
 from pipeline.target import file_sha256
 
 FORMAT_NAME = "eaglet-hidden-states"
 FORMAT_VERSION = 1
 META_KEY = b"eaglet"
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, d in DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"hidden states cannot be stored as {dtype}: use one of {', '.join(DTYPES)}")
-
-
 def resolve_dump_dtype(name: str, target_dtype: torch.dtype) -> torch.dtype:
-    if name == "auto":
-        return DTYPES[dtype_name(target_dtype)]
-    name = _ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise ValueError(f"dump.dtype={name!r}: expected auto or one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    """dump.dtype: `auto` stores in the target's compute dtype (bf16 shards are half the bytes)."""
+    return DTYPES[dtype_name(target_dtype)] if name == "auto" else parse_dtype(name, "dump.dtype")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,11 @@ class RegenItem:
     def first_prompt(self) -> list[dict]:
         return self.prefix() + [{"role": "user", "content": self.user_turns[0]}]
 
+    def prompt_chars(self) -> int:
+        """Length of the first prompt in characters: how server backends (which tokenize themselves) rank
+        prompts to group batches."""
+        return sum(len(m["content"]) for m in self.first_prompt())
+
     def digest(self) -> str:
         doc = {"id": self.id, "system": self.system, "user_turns": list(self.user_turns)}
         return hashlib.sha256(json.dumps(doc, ensure_ascii=False, sort_keys=True).encode()).hexdigest()

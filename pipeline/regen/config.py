@@ -23,10 +23,11 @@ class LlamaCppConfig:
     # Empty: <eaglet cache>/llama.cpp/bin/llama-server ($EAGLET_CACHE or ~/.cache/eaglet), where
     # `make llama-server` builds it.
     binary: str = ""
-    slots: int = 64  # parallel sequences (conversations in flight)
-    # KV pool: slots x ctx_per_slot tokens, shared (unified): one conversation may take up to the model's
-    # context (max_position_embeddings) from it while short ones use little.
-    ctx_per_slot: int = 2560
+    slots: int = 32  # parallel sequences (conversations in flight)
+    # KV cache tokens per slot (capped at the model's context): the longest conversation history plus
+    # max_new_tokens must fit, or the server refuses that turn (recorded as a failure, http_400). Memory:
+    # slots x ctx_per_slot x the KV bytes per token (23 KiB for SmolLM2-135M: 32 x 4096 is 3 GiB).
+    ctx_per_slot: int = 4096
     threads: Optional[int] = None  # None: this process's CPUs shared among the ranks on the node
     startup_timeout_s: float = 120.0
     timeout_s: float = 1800.0  # per request: a slot shares the CPU with slots - 1 others

@@ -119,8 +119,7 @@ class OpenAIBackend:
     # -- generation -------------------------------------------------------------------------------------
 
     def prompt_length(self, item: RegenItem) -> int:
-        # The server tokenizes; characters rank prompts by length well enough to group batches.
-        return sum(len(m["content"]) for m in item.first_prompt())
+        return item.prompt_chars()  # the server tokenizes; characters rank prompts well enough
 
     def generate(self, requests: list[Request]) -> list[Union[Answer, Failure]]:
         return list(self.pool.map(self.complete, requests))
@@ -131,6 +130,11 @@ class OpenAIBackend:
         try:
             resp, attempts = self._with_retries("POST", "/chat/completions", body)
         except _RequestError as e:
+            if self.server is not None and self.server.proc.poll() is not None:
+                # Our own server died: these are not the conversations' failures. Raise, so the batch is not
+                # saved and a rerun (which starts a new server) generates it.
+                raise ServerUnavailable(f"llama-server exited with code {self.server.proc.returncode} during "
+                                        f"the run; see {self.server.log_path}") from None
             return Failure(e.reason, e.detail, e.attempts)
         try:
             choice = resp["choices"][0]

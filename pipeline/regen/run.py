@@ -45,17 +45,17 @@ def main(cfg: EagletConfig) -> Optional[dict]:
         raise ValueError("regen: the data sources hold no usable conversation")
 
     backend, fingerprint, generation = make_backend(cfg, info)
-    try:  # a managed llama.cpp server is stopped however the run ends
+    try:  # a managed llama.cpp server is stopped however the run ends (and dies with this process)
         return _run(cfg, info, items, report, backend, fingerprint, generation, t0)
     finally:
-        if hasattr(backend, "close"):
+        if backend is not None and hasattr(backend, "close"):
             backend.close()
 
 
 def _run(cfg: EagletConfig, info: RankInfo, items: list[RegenItem], report: BadRecordReport, backend,
          fingerprint: dict, generation: dict, t0: float) -> Optional[dict]:
     rcfg = cfg.regen
-    plan = make_plan(items, rcfg.batch_size, rcfg.batches_per_shard, backend.prompt_length)
+    plan = make_plan(items, rcfg.batch_size, rcfg.batches_per_shard, prompt_length(backend))
     out = RegenDir(cfg.stage_dir("regen"))
     identity = {"plan": plan.digest, "conversations": len(items), "batches": plan.n_batches,
                 # fp32 is left out so runs started before precision was recorded still resume.
@@ -74,6 +74,10 @@ def _run(cfg: EagletConfig, info: RankInfo, items: list[RegenItem], report: BadR
 
     if rcfg.finalize_partial:
         return finalize_partial(cfg, out, report, fingerprint, generation, plan, t0) if info.is_main else None
+    if 0 < rcfg.batch_size < getattr(backend, "concurrency", 0):
+        log.warning("regen.batch_size=%d < %d conversations in flight: a batch cannot fill the server's slots; "
+                    "raise regen.batch_size (several times the slots keeps them full)", rcfg.batch_size,
+                    backend.concurrency)
     fresh = run_rank(out, plan, items, backend, rcfg, info)
     log.info("regen rank %d, this run: %s", info.rank, describe(fresh))
     if not info.is_main:
@@ -108,6 +112,12 @@ def _check(rcfg: RegenConfig) -> None:
         raise ValueError(f"regen.temperature must be >= 0 and 0 < top_p <= 1 (got {rcfg.temperature}, {rcfg.top_p})")
 
 
+def prompt_length(backend):
+    """The backend's prompt measure for planning; characters without a backend (finalize_partial through a
+    server: the plan must equal the run's, and server backends measure characters)."""
+    return backend.prompt_length if backend is not None else RegenItem.prompt_chars
+
+
 def resolve_backend(cfg: EagletConfig) -> str:
     """`auto`: llama.cpp's server when it can serve this target here (a GGUF, on CPU, the binary built),
     else in-process HF generation."""
@@ -116,6 +126,12 @@ def resolve_backend(cfg: EagletConfig) -> str:
         return rcfg.backend
     from pipeline.regen.llama_server import find_binary
     from pipeline.target import resolve_device, resolve_source
+
+    started = RegenDir(cfg.stage_dir("regen")).run_path
+    if started.is_file() and not rcfg.overwrite:  # a run being resumed keeps the engine it started with
+        previous = json.loads(started.read_text()).get("generation", {}).get("backend")
+        if previous in ("hf", "llamacpp"):
+            return previous
 
     on_cpu = resolve_device(cfg.target.device).type == "cpu"
     if on_cpu and find_binary(rcfg.llamacpp, cfg.target) is not None and resolve_source(cfg.target)[0] == "gguf":
@@ -142,7 +158,7 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
         return backend, target.fingerprint, generation
 
     from pipeline.regen.openai_backend import OpenAIBackend
-    from pipeline.target import load_tokenizer
+    from pipeline.target import load_tokenizer, resolve_source
 
     tokenizer = load_tokenizer(cfg.target)
     if tokenizer.pad_token_id is None:  # as load_target does, so both backends digest the same tokenizer
@@ -150,6 +166,12 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
     server = None
     openai_cfg = rcfg.openai
     if name == "llamacpp":
+        # The GGUF names the served model (what the server's /models lists varies with its version).
+        generation["served_model"] = Path(resolve_source(cfg.target)[1]).name
+        if rcfg.finalize_partial:  # writes a manifest only: nothing to serve
+            openai_cfg = dataclasses.replace(rcfg.openai, base_url="", model="default")
+            generation["base_url"] = ""
+            return None, served_fingerprint(cfg, tokenizer, openai_cfg), generation
         server = start_llama_server(cfg, info)
         openai_cfg = dataclasses.replace(rcfg.openai, base_url=server.base_url, model="default",
                                          concurrency=rcfg.llamacpp.slots, timeout_s=rcfg.llamacpp.timeout_s)
@@ -157,12 +179,13 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
     try:
         backend = OpenAIBackend(openai_cfg, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
                                 server=server)
+        fingerprint = served_fingerprint(cfg, tokenizer, openai_cfg)
     except BaseException:
         if server is not None:
             server.close()
         raise
-    fingerprint = served_fingerprint(cfg, tokenizer, openai_cfg)
-    generation.update(served_model=backend.model, base_url=backend.base_url)
+    generation.setdefault("served_model", backend.model)
+    generation["base_url"] = backend.base_url
     return backend, fingerprint, generation
 
 

@@ -11,6 +11,7 @@ schedules send the same requests (same history, same per-turn seed) and give the
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -113,9 +114,16 @@ def _by_waves(backend: Backend, items: list[RegenItem], seed: int) -> tuple[list
     return answers, failed
 
 
-def _conversation(backend: Backend, item: RegenItem, seed: int) -> tuple[list[Answer], Optional[dict]]:
+class Stopped(Exception):
+    """A conversation noticed that the batch was given up (another failed, or the run was interrupted)."""
+
+
+def _conversation(backend: Backend, item: RegenItem, seed: int, stop: threading.Event
+                  ) -> tuple[list[Answer], Optional[dict]]:
     history, answers = item.prefix(), []
     for turn, question in enumerate(item.user_turns):
+        if stop.is_set():
+            raise Stopped(item.id)
         history.append({"role": "user", "content": question})
         out = backend.complete(Request(list(history), derive_seed(seed, item.id, turn)))
         if isinstance(out, Failure):
@@ -129,8 +137,18 @@ def _by_conversation(backend: Backend, items: list[RegenItem], seed: int
                      ) -> tuple[list[list[Answer]], dict[int, dict]]:
     # Longest conversations first: they bound the batch's time, so they must not start last.
     order = sorted(range(len(items)), key=lambda i: -len(items[i].user_turns))
-    with ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="regen-conv") as pool:
-        done = dict(zip(order, pool.map(lambda i: _conversation(backend, items[i], seed), order)))
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="regen-conv")
+    try:
+        futures = {i: pool.submit(_conversation, backend, items[i], seed, stop) for i in order}
+        done = {i: futures[i].result() for i in order}
+    except BaseException:
+        # An error (a dead server) or an interrupt: no conversation asks another turn, and the caller can
+        # stop the server at once instead of waiting for every conversation to finish its turns.
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     answers = [done[i][0] for i in range(len(items))]
     failed = {i: done[i][1] for i in range(len(items)) if done[i][1] is not None}
     return answers, failed

@@ -86,6 +86,8 @@ def train(cfg, par: Parallel) -> dict:
 
     dump_digest = digest_file(dump_dir / MANIFEST)
     identity = {"dump_manifest_sha256": dump_digest, "head": head.config.to_dict(), "train_rows": len(train_idx)}
+    if par.precision != "float32":  # a resume never switches autocast (fp32 adds nothing: older runs resume)
+        identity["precision"] = par.precision
     wandb_config = {"train": to_plain(tcfg), "head": to_plain(hcfg), "head_config": head.config.to_dict(),
                     "target": target.fingerprint, "experiment": cfg.name, "world_size": par.world_size}
     metrics = MetricsLog(train_dir, enabled=par.is_main, wandb_cfg=cfg.wandb, wandb_config=wandb_config,
