@@ -35,8 +35,8 @@ class LlamaCppConfig:
 
 @dataclass
 class RegenConfig:
-    # auto: llamacpp when the target is a GGUF, it runs on CPU and the llama-server binary is built (the
-    # fastest CPU engine, bench/results/stages.json), else hf | hf (in-process batched HF generate) |
+    # auto: llamacpp when the target is a GGUF, it runs on CPU and the llama-server binary is built (AMX
+    # prompt processing, continuous batching; the comparison with hf is in docs/results.md), else hf | hf (in-process batched HF generate) |
     # llamacpp | openai (any OpenAI-compatible server you run).
     backend: str = "auto"
     batch_size: int = 16
