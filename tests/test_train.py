@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,10 @@ def test_eagle3_trains_end_to_end_with_offline_wandb(dump_root, tiny_model_dir, 
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     history = read_wandb_history(runs[0])
+    deadline = time.monotonic() + 30  # wandb's service may still be flushing the offline file after finish()
+    while not history and time.monotonic() < deadline:
+        time.sleep(0.5)
+        history = read_wandb_history(runs[0])
     assert {"train/loss", "train/acc_0", "train/sim_tau", "lr", "val/sim_tau", "eval/tau"} <= set().union(*history)
     assert max(row["_step"] for row in history) == 10
 
