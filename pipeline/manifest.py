@@ -52,6 +52,11 @@ def digest_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def default_cache_root() -> Path:
+    """eaglet's cache ($EAGLET_CACHE or ~/.cache/eaglet): dequantized targets, llama-server, precision."""
+    return Path(os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet").expanduser()
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the whole new one, never a torn one:
     a per-process temporary in the same folder, fsynced, then renamed over `path`."""

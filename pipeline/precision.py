@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.manifest import atomic_write_text
+from pipeline.manifest import atomic_write_text, default_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,7 @@ def _decision_file() -> Path:
     model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
                  platform.processor() or platform.machine())
     key = hashlib.sha256(f"{model}|{torch.__version__}".encode()).hexdigest()[:12]
-    root = Path(os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet").expanduser()
-    return root / f"precision-{key}.json"
+    return default_cache_root() / f"precision-{key}.json"
 
 
 def _cpuinfo() -> list[str]:

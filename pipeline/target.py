@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from pipeline import precision
-from pipeline.manifest import atomic_write_text
+from pipeline.manifest import atomic_write_text, default_cache_root
 from pipeline.precision import dtype_name
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def cache_root(cfg: TargetConfig) -> Path:
-    root = cfg.cache_dir or os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet"
-    return Path(root).expanduser()
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_root()
 
 
 def packaged_gguf(package: str, filename: str) -> Path:

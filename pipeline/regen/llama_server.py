@@ -10,7 +10,6 @@ Measured on 2 cores: docs/results.md, "Speed of every stage".
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -62,8 +61,8 @@ def default_threads() -> int:
 
 class LlamaServer:
     """`llama-server` on 127.0.0.1 (a free port) with `slots` sequences, each with its own KV cache of
-    `ctx_per_slot` tokens (capped at `max_seq`, the model's context); its log goes to `log_path`. A context
-    manager; `close` stops it. Not a unified KV pool: there every sequence's attention scans the whole pool,
+    `ctx_per_slot` tokens (capped at `max_seq`, the model's context); its log goes to `log_path`; `close`
+    stops it. Not a unified KV pool: there every sequence's attention scans the whole pool,
     which measured 3x slower decoding at 32 slots."""
 
     def __init__(self, binary: Path, gguf: Path, cfg: LlamaCppConfig, log_path: Path, max_seq: int):
@@ -102,10 +101,6 @@ class LlamaServer:
                 time.sleep(0.3)
         raise RuntimeError(f"llama-server did not become healthy within {timeout_s:g} s; see {self.log_path}")
 
-    def props(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/props", timeout=10) as r:
-            return json.loads(r.read())
-
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -115,9 +110,3 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
-
-    def __enter__(self) -> "LlamaServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
