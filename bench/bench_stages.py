@@ -5,6 +5,9 @@ regen: the real regen stage (`pipeline.regen.run.main`, multi-turn, resumable sh
 conversations of the quality experiment, greedy, once per engine:
   - hf-fp32: in-process batched HF generate in float32 (the default before `auto` precision and llamacpp);
   - hf-bf16: the same with the target in bfloat16;
+  - hf-bf16-static-compile: the same with a static KV cache and the forward torch.compile'd
+    (`regen.hf.cache=static regen.hf.compile=true`; compile time counts in its generation time: it recompiles
+    per batch shape, and that is what a regen run pays);
   - llama.cpp: the real llama.cpp `llama-server` (continuous batching over parallel slots) serving the same
     SmolLM2 GGUF, started by regen itself (`regen.backend=llamacpp`), one conversation per slot.
 tokens/s is generated answer tokens over generation time (the manifest's `generation_s`: model load and
@@ -15,7 +18,11 @@ identical answers and the mean common prefix (in characters), so users see what 
         --llama-server ~/.cache/eaglet/llama.cpp/bin/llama-server   # make llama-server builds it there
 dump, train, eval: the real stages, fp32 against bf16 (`auto` on a CPU with fast bf16), on the regenerated
 conversations of the regen bench (the llama.cpp run's, else hf-fp32's):
-  - dump: tokens/s (shard time, model load excluded) and bytes per token on disk;
+  - dump: tokens/s (shard time, model load excluded), over the same body forward writing nothing on the same
+    batches (the cost of capturing and writing, target >= 0.9); bytes per token on disk, over the raw size
+    (layers x hidden x dtype bytes + id + mask, target within 2%); and memory: reading a dump 4x larger (its
+    shards copied) in a child process peaks within 10% of the RssAnon of reading the dump itself (shards are
+    memory-mapped, so a dump's size must not become resident memory);
   - train: EAGLE-3, 7 TTT rounds, micro-batches of 4096 tokens (the quality experiment's), `--train-steps`
     optimizer steps on each precision's dump; tokens/s over the steps after the first two (warm-up);
   - eval: the fp32-trained head decoding `--eval-questions` MT-bench questions with an fp32 and a bf16 target:
@@ -29,6 +36,8 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +51,7 @@ import torch  # noqa: E402
 from pipeline.config import EagletConfig  # noqa: E402
 from pipeline.data.config import DataConfig  # noqa: E402
 from pipeline.regen import run as regen_run  # noqa: E402
-from pipeline.regen.config import LlamaCppConfig, RegenConfig  # noqa: E402
+from pipeline.regen.config import HFGenerateConfig, LlamaCppConfig, RegenConfig  # noqa: E402
 from pipeline.regen.llama_server import binary_path  # noqa: E402
 from pipeline.regen.shards import regen_sources  # noqa: E402
 from pipeline.target import TargetConfig  # noqa: E402
@@ -53,12 +62,13 @@ WORKLOAD = SHARED / "sharegpt_sg92k_sample1000" / "sharegpt_1000.json"
 
 
 def regen_once(work: Path, name: str, conversations: int, max_new_tokens: int, batch: int,
-               target: TargetConfig, llamacpp: LlamaCppConfig | None = None) -> dict:
+               target: TargetConfig, llamacpp: LlamaCppConfig | None = None,
+               hf: HFGenerateConfig = HFGenerateConfig()) -> dict:
     cfg = EagletConfig(
         name=name, output_root=str(work), target=target,
         data=DataConfig(sources=[{"path": str(WORKLOAD), "format": "sharegpt", "limit": conversations}]),
         regen=RegenConfig(backend="llamacpp" if llamacpp else "hf", batch_size=batch, batches_per_shard=1,
-                          max_new_tokens=max_new_tokens, progress=False,
+                          max_new_tokens=max_new_tokens, progress=False, hf=hf,
                           **({"llamacpp": llamacpp} if llamacpp else {})))
     done = cfg.stage_dir("regen") / "manifest.json"
     t0 = time.perf_counter()
@@ -113,6 +123,10 @@ def bench_regen(args, work: Path) -> dict:
     if "hf-bf16" in args.engines:
         rows["hf-bf16"] = regen_once(work, "hf-bf16", args.conversations, args.max_new_tokens, args.hf_batch,
                                      TargetConfig(dtype="bfloat16"))
+    if "hf-bf16-static-compile" in args.engines:
+        rows["hf-bf16-static-compile"] = regen_once(
+            work, "hf-bf16-static-compile", args.conversations, args.max_new_tokens, args.hf_batch,
+            TargetConfig(dtype="bfloat16"), hf=HFGenerateConfig(cache="static", compile=True))
     rows["hf-fp32"] = regen_once(work, "hf-fp32", args.conversations, args.max_new_tokens, args.hf_batch, cfg32)
     base = rows["hf-fp32"]
     for name, row in rows.items():
@@ -161,13 +175,86 @@ def bench_dump(work: Path, regen_dir: Path, conversations: int) -> tuple[dict, d
         if not (cfg.stage_dir("dump") / "manifest.json").is_file():
             dump_run.main(cfg)
         m = json.loads((cfg.stage_dir("dump") / "manifest.json").read_text())
+        forward = forward_only_rate(cfg)
         rows[precision] = {"tokens": m["counts"]["tokens"], "tokens_per_s": m["timings"]["tokens_per_s"],
-                           "bytes_per_token": m["totals"]["bytes_per_token"], "storage": m["dtype"],
-                           "precision": m["precision"]}
+                           "forward_only_tokens_per_s": forward,
+                           "dump_over_forward": m["timings"]["tokens_per_s"] / forward,
+                           "bytes_per_token": m["totals"]["bytes_per_token"],
+                           "bytes_over_raw": m["totals"]["bytes_per_token"] / m["totals"]["raw_bytes_per_token"],
+                           "storage": m["dtype"], "precision": m["precision"]}
     out = pair("float32", rows["float32"]["tokens_per_s"], "bfloat16", rows["bfloat16"]["tokens_per_s"])
     out.update(bytes_per_token={p: r["bytes_per_token"] for p, r in rows.items()},
-               bytes_ratio=rows["bfloat16"]["bytes_per_token"] / rows["float32"]["bytes_per_token"], runs=rows)
+               bytes_ratio=rows["bfloat16"]["bytes_per_token"] / rows["float32"]["bytes_per_token"], runs=rows,
+               memory=read_memory(cfgs["bfloat16"].stage_dir("dump"), work / "dump-x4"),
+               targets={"dump_over_forward_min": 0.9, "bytes_over_raw_max": 1.02, "peak_anon_ratio_max": 1.10})
     return out, cfgs
+
+
+def forward_only_rate(cfg: EagletConfig) -> float:
+    """tokens/s of the target's body forward over the dump's own batches, writing nothing."""
+    from pipeline.data.bad_records import BadRecordReport
+    from pipeline.hidden_states.dump import forward_only, plan_dump
+    from pipeline.hidden_states.inputs import read_conversations, tokenize_all
+    from pipeline.target import load_target
+
+    target = load_target(cfg.target)
+    conversations, _ = read_conversations(cfg, target.fingerprint, BadRecordReport())
+    samples, _ = tokenize_all(conversations, target.tokenizer, cfg.data, cfg.dump.limit)
+    _, plan = plan_dump(target, samples, cfg.dump)
+    forward_only(target, samples, plan.batches[:1])  # warm-up: one full-size batch
+    tokens, seconds = forward_only(target, samples, plan.batches)
+    return tokens / seconds
+
+
+def rss_kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def read_child(dump_dir: str) -> None:
+    """(Child process) iterate a whole dump touching every state byte; print peak RssAnon / RssFile."""
+    from pipeline.hidden_states.reader import DumpReader
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    reader = DumpReader(dump_dir)
+    peak_anon, peak_file, checksum = rss_kb("RssAnon"), rss_kb("RssFile"), 0.0
+    for i, sample in enumerate(reader):
+        checksum += float(sample.aux_hidden.float().sum()) + float(sample.final_hidden.float().sum())
+        if i % 4 == 0:
+            peak_anon, peak_file = max(peak_anon, rss_kb("RssAnon")), max(peak_file, rss_kb("RssFile"))
+    peak_anon, peak_file = max(peak_anon, rss_kb("RssAnon")), max(peak_file, rss_kb("RssFile"))
+    print(json.dumps({"tokens": reader.num_tokens, "bytes": reader.manifest["totals"]["bytes"],
+                      "peak_rss_anon_kb": peak_anon, "peak_rss_file_kb": peak_file,
+                      "seconds": time.perf_counter() - t0, "checksum": checksum}))
+
+
+def read_memory(dump_dir: Path, larger: Path) -> dict:
+    """Peak memory reading a dump and a copy 4x larger, each in its own child process."""
+    def measure(path: Path) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--read", str(path)], cwd=REPO, capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    manifest = json.loads((dump_dir / "manifest.json").read_text())
+    shutil.rmtree(larger, ignore_errors=True)
+    larger.mkdir(parents=True)
+    entries = []
+    for _ in range(4):  # the same shards copied 4 times: only the size differs
+        for e in manifest["shards"]:
+            name = f"shard-{len(entries):05d}.arrow"
+            shutil.copyfile(dump_dir / e["file"], larger / name)
+            entries.append(dict(e, file=name))
+    (larger / "manifest.json").write_text(json.dumps(dict(manifest, shards=entries, totals={
+        k: v * 4 if k in ("rows", "tokens", "bytes") else v for k, v in manifest["totals"].items()})))
+    try:
+        small, large = measure(dump_dir), measure(larger)
+    finally:
+        shutil.rmtree(larger, ignore_errors=True)
+    return {"dump": small, "dump_x4": large,
+            "peak_anon_x4_over_dump": large["peak_rss_anon_kb"] / small["peak_rss_anon_kb"]}
 
 
 def bench_train(cfgs: dict, steps: int) -> dict:
@@ -178,7 +265,7 @@ def bench_train(cfgs: dict, steps: int) -> dict:
     rows = {}
     for precision, cfg in cfgs.items():
         cfg.head = HeadConfig(ttt_steps=7, draft_vocab_size=8000)
-        cfg.train = TrainConfig(max_steps=steps, micro_batch_tokens=4096, warmup_steps=2, save_every=0,
+        cfg.train = TrainConfig(max_steps=steps, epochs=100, micro_batch_tokens=4096, warmup_steps=2, save_every=0,
                                 eval_every=0, tau_prompts=0, plot=False, lr=1e-3, val_max_batches=2,
                                 mixed_precision="bf16" if precision == "bfloat16" else "no")
         metrics = cfg.stage_dir("train") / "metrics.jsonl"
@@ -186,6 +273,8 @@ def bench_train(cfgs: dict, steps: int) -> dict:
             train_run.main(cfg)
         steps_done = [json.loads(line) for line in metrics.read_text().splitlines()]
         rates = [r["tokens_per_s"] for r in steps_done if "tokens_per_s" in r][2:]
+        if not rates:
+            raise RuntimeError(f"{metrics}: no step after the 2 warm-up steps; raise --train-steps")
         rows[precision] = {"steps_timed": len(rates), "tokens_per_s": sum(rates) / len(rates),
                            "precision": json.loads((cfg.stage_dir("train") / "manifest.json").read_text())["precision"]}
     out = pair("float32", rows["float32"]["tokens_per_s"], "bfloat16", rows["bfloat16"]["tokens_per_s"])
@@ -224,7 +313,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)  # 128 conversations: the longest chain bounds the run
     ap.add_argument("--ctx-per-slot", type=int, default=8192)  # the model's context: no conversation refused
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default="hf-fp32,hf-bf16,llama.cpp",
+    ap.add_argument("--engines", default="hf-fp32,hf-bf16,hf-bf16-static-compile,llama.cpp",
                     help="comma-separated; hf-fp32, the baseline, always runs")
     ap.add_argument("--stages", default="regen,dump,train,eval")
     ap.add_argument("--dump-conversations", type=int, default=48)
@@ -233,7 +322,10 @@ def main() -> None:
     ap.add_argument("--eval-max-new-tokens", type=int, default=64)
     ap.add_argument("--work", default=None, help="keep engine runs here; finished ones are reused on a rerun")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "stages.json"))
+    ap.add_argument("--read", help=argparse.SUPPRESS)  # the memory measurement's child process
     args = ap.parse_args()
+    if args.read:
+        return read_child(args.read)
     torch.set_num_threads(args.threads)
     if args.llama_server and not Path(args.llama_server).is_file():
         print(f"no llama-server at {args.llama_server} (make llama-server); measuring the hf engines only")

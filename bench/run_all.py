@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ["bench_regen.py", "bench_dump.py", "bench_ttt.py"]
+# bench_stages: every stage's variants (regen engines, fp32 against bf16); ~3-4 hours on 2 cores, resumable
+# with `--work`. bench_ttt: the TTT training forward against the reference.
+BENCHES = ["bench_stages.py", "bench_ttt.py"]
 
 
 def main() -> int:

@@ -34,6 +34,18 @@ class LlamaCppConfig:
 
 
 @dataclass
+class HFGenerateConfig:
+    """`regen.backend=hf` options (the bench of engines, bench/bench_stages.py, measures them)."""
+    # dynamic: the KV cache grows each step (HF's default) | static: one cache per batch, allocated for its
+    # prompt width + max_new_tokens (fixed shapes, which torch.compile needs).
+    cache: str = "dynamic"
+    # torch.compile the forward that generate runs (needs cache=static). It compiles once per batch shape, so
+    # static widths are rounded up to pad_to_multiple tokens to let batches share compiled graphs.
+    compile: bool = False
+    pad_to_multiple: int = 256
+
+
+@dataclass
 class RegenConfig:
     # auto: llamacpp when the target is a GGUF, it runs on CPU and the llama-server binary is built (AMX
     # prompt processing, continuous batching; the comparison with hf is in docs/results.md), else hf | hf (in-process batched HF generate) |
@@ -56,5 +68,6 @@ class RegenConfig:
     # "complete": false) so the next stages can start while a long regen is still unfinished. A later
     # plain rerun finishes the missing shards and rewrites the manifest (the dump must then be redone).
     finalize_partial: bool = False
+    hf: HFGenerateConfig = field(default_factory=HFGenerateConfig)
     openai: OpenAIBackendConfig = field(default_factory=OpenAIBackendConfig)
     llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)

@@ -14,6 +14,7 @@ import torch
 
 from pipeline.data.chat import render_prompt, tokenize_conversation
 from pipeline.regen.batching import RegenItem, derive_seed
+from pipeline.regen.config import HFGenerateConfig
 from pipeline.regen.waves import Answer, Failure, Request
 from pipeline.target import Target
 
@@ -46,13 +47,30 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
+def compile_config(device: torch.device):
+    from transformers import CompileConfig
+
+    if device.type == "cuda":
+        return CompileConfig()  # HF's default there: reduce-overhead (CUDA graphs)
+    # Elsewhere generate compiles only when this private flag is set (transformers 5.x), and CUDA graphs do
+    # not exist: plain inductor, static shapes.
+    config = CompileConfig(mode="default", dynamic=False)
+    config._compile_all_devices = True
+    return config
+
+
 class HFBackend:
     name = "hf"
     concurrency = 0  # one padded batch per wave (waves.py)
 
-    def __init__(self, target: Target, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0):
+    def __init__(self, target: Target, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 options: HFGenerateConfig = HFGenerateConfig()):
         if max_new_tokens < 1:
             raise ValueError(f"regen.max_new_tokens must be >= 1, got {max_new_tokens}")
+        if options.cache not in ("dynamic", "static"):
+            raise ValueError(f"regen.hf.cache must be dynamic or static, got {options.cache!r}")
+        if options.compile and options.cache != "static":
+            raise ValueError("regen.hf.compile needs regen.hf.cache=static (a growing cache changes shape each step)")
         self.model, self.tokenizer, self.device = target.model, target.tokenizer, target.device
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
@@ -64,6 +82,13 @@ class HFBackend:
         if temperature > 0:
             # top_k=0: no top-k cut; otherwise the model's or HF's default (50) would silently apply.
             self.generate_kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+        self.pad_to = options.pad_to_multiple if options.cache == "static" else 1
+        if options.cache == "static":
+            self.generate_kwargs["cache_implementation"] = "static"
+        if options.compile:
+            self.generate_kwargs["compile_config"] = compile_config(self.device)
+        else:
+            self.generate_kwargs["disable_compile"] = True  # HF would otherwise compile a static cache on GPU
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return render_prompt(self.tokenizer, messages)
@@ -91,6 +116,7 @@ class HFBackend:
     @torch.inference_mode()
     def _generate_ids(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         width = max(len(p) for p in prompts)
+        width = -(-width // self.pad_to) * self.pad_to  # static cache: fewer distinct shapes to compile
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, ids in enumerate(prompts):  # left padding: every row's last prompt token is at column width-1

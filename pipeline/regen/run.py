@@ -22,7 +22,7 @@ from pipeline.data.readers import read_sources
 from pipeline.dist import RankInfo, rank_info, shard_for_rank
 from pipeline.manifest import FINGERPRINT_KEYS, write_manifest
 from pipeline.regen.batching import Plan, RegenItem, make_plan, to_items
-from pipeline.regen.config import RegenConfig
+from pipeline.regen.config import HFGenerateConfig, RegenConfig
 from pipeline.regen.shards import RegenDir, sum_stats
 from pipeline.regen.waves import ON_DEGENERATE, regen_batch
 
@@ -152,8 +152,10 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
         from pipeline.target import load_target
 
         target = load_target(_rank_device(cfg, info))
-        backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p)
+        backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, rcfg.hf)
         generation["stop_token_ids"] = backend.stop_ids
+        if rcfg.hf != HFGenerateConfig():  # recorded only when set, so runs started before these options resume
+            generation["hf"] = dataclasses.asdict(rcfg.hf)
         generation["precision"] = target.precision
         return backend, target.fingerprint, generation
 
