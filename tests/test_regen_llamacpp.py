@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -76,14 +75,14 @@ def test_a_killed_regen_takes_its_server_down(tmp_path, server_binary):
     """kill -9 skips regen's cleanup; the server still goes (the kernel signals it when its parent dies)."""
     script = tmp_path / "child.py"
     script.write_text(
-        "import sys\n"
+        "import sys, time\n"
         f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
         "from pathlib import Path\n"
         "from test_regen_llamacpp import _cfg\n"
         "from pipeline.regen import run\n"
-        "cfg = _cfg(Path(sys.argv[1]), 'llamacpp')\n"
-        "cfg.regen.max_new_tokens = 4000\n"
-        "run.main(cfg)\n")
+        "from pipeline.regen.openai_backend import OpenAIBackend\n"
+        "OpenAIBackend.complete = lambda self, request: time.sleep(3600)  # a request that never returns\n"
+        "run.main(_cfg(Path(sys.argv[1]), 'llamacpp'))\n")
     child = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     log = tmp_path / "out" / "llamacpp-llamacpp" / "regen" / "llama-server.rank0.log"
@@ -92,7 +91,8 @@ def test_a_killed_regen_takes_its_server_down(tmp_path, server_binary):
         found = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log.read_text()) if log.exists() else None
         port = int(found.group(1)) if found else time.sleep(0.2)
     assert port is not None and _listening(port), "the server never came up"
-    time.sleep(1.0)  # generating now
+    time.sleep(1.0)  # in the middle of the run now: its requests never return
+    assert child.poll() is None
     child.send_signal(signal.SIGKILL)
     child.wait()
     deadline = time.monotonic() + 30
@@ -104,27 +104,23 @@ def test_a_killed_regen_takes_its_server_down(tmp_path, server_binary):
 def test_a_server_that_dies_mid_run_loses_nothing(tmp_path, server_binary, monkeypatch):
     """Requests in flight when our own server dies are not recorded as the conversations' failures: the run
     stops with the server's exit code, saves nothing of that batch, and a rerun regenerates all of it."""
-    from pipeline.regen import llama_server
-    from pipeline.regen.openai_backend import ServerUnavailable
+    from pipeline.regen.openai_backend import OpenAIBackend, ServerUnavailable
     from pipeline.regen.shards import RegenDir
 
-    started = []
-    real_init = llama_server.LlamaServer.__init__
+    real_complete = OpenAIBackend.complete
 
-    def recording_init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        started.append(self)
-        threading.Timer(2.0, self.proc.kill).start()  # mid-generation: 4000 new tokens take far longer
+    def dies_first(self, request):  # the server dies while a turn is being asked (deterministically: first)
+        if self.server.proc.poll() is None:
+            self.server.proc.kill()
+            self.server.proc.wait()
+        return real_complete(self, request)
 
-    monkeypatch.setattr(llama_server.LlamaServer, "__init__", recording_init)
+    monkeypatch.setattr(OpenAIBackend, "complete", dies_first)
     cfg = _cfg(tmp_path, "llamacpp")
-    cfg.regen.max_new_tokens = 4000
     with pytest.raises(ServerUnavailable, match=r"exited with code -9 during the run"):
         regen_run.main(cfg)
     assert not RegenDir(cfg.stage_dir("regen")).shard_done(0)
     monkeypatch.undo()
-    cfg.regen.max_new_tokens = 16
-    cfg.regen.overwrite = True  # the same data with another token budget
     assert regen_run.main(cfg)["written"] == 3
 
 

@@ -47,10 +47,12 @@ def find_binary(cfg: LlamaCppConfig, target: TargetConfig) -> Optional[Path]:
 
 
 def _die_with_parent() -> None:
-    """In the server's process before exec: the kernel sends it SIGTERM when regen dies, however regen dies
-    (a SIGTERM or kill -9 skips regen's own cleanup), so a killed run never leaves a server burning the CPU."""
+    """In the server's process before exec: the kernel kills it when regen dies, however regen dies (a SIGTERM
+    or kill -9 skips regen's own cleanup), so a killed run never leaves a server holding the CPU and its KV
+    cache. SIGKILL, not SIGTERM: llama-server's graceful shutdown was seen to hang with requests in flight,
+    and the server holds nothing to save."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def default_threads() -> int:
