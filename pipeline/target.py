@@ -2,6 +2,7 @@
 as an HF safetensors directory so later loads skip the slow dequantization)."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -20,7 +21,9 @@ from pipeline.precision import dtype_name
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when the cache layout changes
+# Bump when the cache layout changes. 2: config.json without the GGUF quantization_config (the weights are
+# dense; with it, transformers attached its GGUF quantizer to every load and warned of packed weights).
+CACHE_FORMAT = 2
 # Llama-architecture families: the final norm is a Llama RMSNorm (weight * x_hat, not Gemma's
 # (1 + weight) * x_hat) and the logits are exactly lm_head(final norm), with no softcapping or logit scale.
 LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -160,7 +163,10 @@ def dequantize_gguf_to_cache(gguf: Path, out: Path) -> None:
             continue  # tied: recreated from embed_tokens at load
         state[name] = tensor.detach().contiguous().clone()
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    model.config.to_json_file(str(tmp / "config.json"))
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the cache holds dense weights: nothing for a quantizer to do
+    config.to_json_file(str(tmp / "config.json"))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.to_json_file(str(tmp / "generation_config.json"))
     tokenizer.save_pretrained(str(tmp))

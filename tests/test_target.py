@@ -92,4 +92,7 @@ def test_gguf_cache_is_fast_and_exact(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(cached.model(ids).logits, ref(ids).logits, rtol=0, atol=0)
     assert cached.fingerprint == first.fingerprint
+    # Dense weights, plain modules: no GGUF quantizer attached to the cached model (nor its packed-weight warning).
+    assert getattr(cached.model, "hf_quantizer", None) is None
+    assert not hasattr(cached.model.config, "quantization_config")
     assert cached.tokenizer.chat_template and "<|im_start|>" in cached.tokenizer.chat_template
