@@ -1,5 +1,5 @@
-"""Every stage at this machine's speed, variants side by side in one run (issue: bf16 on AMX CPUs, a faster
-regeneration engine, one table of ratios).
+"""Every stage at this machine's speed, variants side by side in one run: bf16 on AMX CPUs against fp32, the
+regeneration engines against each other, one table of ratios.
 
 regen: the real regen stage (`pipeline.regen.run.main`, multi-turn, resumable shards) on the same
 conversations of the quality experiment, greedy, once per engine:
@@ -63,12 +63,12 @@ WORKLOAD = SHARED / "sharegpt_sg92k_sample1000" / "sharegpt_1000.json"
 
 def regen_once(work: Path, name: str, conversations: int, max_new_tokens: int, batch: int,
                target: TargetConfig, llamacpp: LlamaCppConfig | None = None,
-               hf: HFGenerateConfig = HFGenerateConfig()) -> dict:
+               hf: HFGenerateConfig | None = None) -> dict:
     cfg = EagletConfig(
         name=name, output_root=str(work), target=target,
         data=DataConfig(sources=[{"path": str(WORKLOAD), "format": "sharegpt", "limit": conversations}]),
         regen=RegenConfig(backend="llamacpp" if llamacpp else "hf", batch_size=batch, batches_per_shard=1,
-                          max_new_tokens=max_new_tokens, progress=False, hf=hf,
+                          max_new_tokens=max_new_tokens, progress=False, hf=hf or HFGenerateConfig(),
                           **({"llamacpp": llamacpp} if llamacpp else {})))
     done = cfg.stage_dir("regen") / "manifest.json"
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Tree size on this machine: what a verification forward costs, and which draft tree decodes fastest with a
-trained head (issue 9 picks the tree by measuring; the issue's target tree is depth 6, top_k 10, 60 tokens).
+trained head (the tree is picked by measuring; the quality experiment's tree is depth 6, top_k 10, 60 tokens).
 
 1. Forward cost: median wall time of one tree-verification forward of N tokens (N = 1 is a vanilla decode
    step) on a 400-token KV prefix, SmolLM2-135M, with the decoder's own `target_forward`, as a ratio to
@@ -28,15 +28,14 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from pipeline.data.chat import render_prompt  # noqa: E402
+from pipeline.data.chat import render_prompt, stop_token_ids
 from pipeline.eval.decoder import _new_cache, generate, supports_row_logits, target_forward, vanilla_generate  # noqa: E402
 from pipeline.eval.drafter import EagleDrafter  # noqa: E402
-from pipeline.eval.evaluate import stop_token_ids  # noqa: E402
+from pipeline.heads.io import load_head  # noqa: E402
 from pipeline.target import TargetConfig, load_target  # noqa: E402
-from pipeline.train.checkpoint import load_head  # noqa: E402
 
 SEED_TASKS = REPO.parent / "shared" / "data" / "alpaca_seed_tasks" / "seed_tasks.jsonl"
-# (depth, top_k, total_tokens): the issue's tree, three smaller trees, and two chains (top_k = 1).
+# (depth, top_k, total_tokens): the quality experiment's tree, three smaller trees, and two chains (top_k = 1).
 TREES = [(6, 10, 60), (5, 8, 32), (4, 6, 16), (3, 4, 8), (2, 1, 4), (1, 1, 3)]
 
 
@@ -80,7 +79,7 @@ def held_out_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def sweep(target, head, prompts, max_new_tokens: int, trees: list[tuple[int, int, int]]) -> dict:
     model = target.model
-    eos = stop_token_ids(model, target.tokenizer)
+    eos = set(stop_token_ids(target.tokenizer, model))
     drafter = EagleDrafter(head)
     names = ["vanilla"] + [f"d{d}_k{k}_n{n}" for d, k, n in trees]
     acc = {name: {"wall_s": 0.0, "tokens": 0, "forwards": 0, "accepted": 0, "identical": 0} for name in names}

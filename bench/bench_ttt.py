@@ -11,8 +11,8 @@ so the ratio compares what the step itself adds. (Without clear_refs, the child'
 The data are shaped like a chat dump: the first quarter of the tokens is prompt (loss mask 0), and the
 target lm_head favours the draft vocabulary so the target top-1 falls inside it (`counted_fraction`; real
 dumps come close, and any miss only helps the efficient path). The efficient path computes draft logits
-only at counted positions (75% here); the reference, being plain, computes them everywhere. `attention_only` isolates the attention kernels
-(all 7 rounds, forward + backward, at 2048) from the loss.
+only at counted positions (75% here); the reference, being plain, computes them everywhere. `attention_only`
+isolates the attention kernels (all 7 rounds, forward + backward, at 2048) from the loss.
 
 Usage: flock /tmp/eaglet-cpu.lock python bench/bench_ttt.py   (writes bench/results/ttt.json)
 """
@@ -59,8 +59,8 @@ def reset_peak() -> bool:
 
 
 def build(seq_len: int):
-    from pipeline.train.heads.common import build_draft_head
-    from pipeline.train.heads.config import DraftHeadConfig
+    from pipeline.heads import build_draft_head
+    from pipeline.heads.config import DraftHeadConfig
 
     torch.manual_seed(0)
     h, v, vd = DIMS["hidden_size"], DIMS["vocab_size"], DIMS["draft_vocab_size"]
@@ -84,8 +84,8 @@ def build(seq_len: int):
 
 
 def step_fn(variant: str, head, data):
-    from pipeline.train.loss import align_batch
-    from pipeline.train.ttt import eagle3_ttt_loss
+    from pipeline.heads.losses import align_batch
+    from pipeline.heads.ttt import eagle3_ttt_loss
     from tests.test_ttt import reference_ttt_loss
 
     input_ids, loss_mask, aux, final, valid, w = data
@@ -104,7 +104,7 @@ def step_fn(variant: str, head, data):
 
 def attention_step_fn(variant: str, seq_len: int):
     """All 7 rounds of round-0-causal + diagonal attention, forward + backward, nothing else."""
-    from pipeline.train.ttt import TTTAttention
+    from pipeline.heads.ttt import TTTAttention
 
     h, kv, d = DIMS["num_attention_heads"], DIMS["num_key_value_heads"], DIMS["head_dim"]
     torch.manual_seed(0)
@@ -159,7 +159,8 @@ def child(variant: str, seq_len: int, attention_only: bool) -> dict:
 
 
 def run_child(variant: str, seq_len: int, attention_only: bool) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, str(seq_len)] + (["--attention-only"] if attention_only else [])
+    cmd = [sys.executable, __file__, "--child", variant, str(seq_len)]
+    cmd += ["--attention-only"] if attention_only else []
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         raise RuntimeError(f"{variant}@{seq_len} failed:\n{proc.stderr[-3000:]}")
@@ -167,8 +168,9 @@ def run_child(variant: str, seq_len: int, attention_only: bool) -> dict:
 
 
 def main() -> dict:
-    results = {"dims": DIMS, "ttt_steps": STEPS, "batch": 1, "threads": int(os.environ.get("EAGLET_BENCH_THREADS", "2")),
-               "torch": torch.__version__, "runs": [], "ratios": {}}
+    threads = int(os.environ.get("EAGLET_BENCH_THREADS", "2"))
+    results = {"dims": DIMS, "ttt_steps": STEPS, "batch": 1, "threads": threads, "torch": torch.__version__,
+               "runs": [], "ratios": {}}
     t_start = time.perf_counter()
     for attention_only, seq_lens in ((False, (512, 2048)), (True, (2048,))):
         for seq_len in seq_lens:
@@ -178,8 +180,8 @@ def main() -> dict:
                 results["runs"].append(r)
                 pair[variant] = r
                 print(f"{'attention' if attention_only else 'train-step':>10} T={seq_len:5d} {variant:9s} "
-                      f"{r['step_s']:7.2f} s  step peak {r['step_peak_mb']:8.0f} MB  (RSS peak {r['peak_rss_mb']:.0f} MB)",
-                      flush=True)
+                      f"{r['step_s']:7.2f} s  step peak {r['step_peak_mb']:8.0f} MB  "
+                      f"(RSS peak {r['peak_rss_mb']:.0f} MB)", flush=True)
             eff, ref = pair["efficient"], pair["dense"]
             key = f"{'attention' if attention_only else 'step'}@{seq_len}"
             results["ratios"][key] = {"time": eff["step_s"] / ref["step_s"],

@@ -6,28 +6,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline.choices import Choice
 from pipeline.data.config import DataConfig, SourceConfig  # noqa: F401  (re-exported)
-from pipeline.eval.config import EvalConfig
+from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.export.config import ExportConfig
+from pipeline.heads import HeadConfig
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.regen.config import RegenConfig
 from pipeline.target import TargetConfig  # noqa: F401  (re-exported)
-from pipeline.train.config import HeadConfig, TrainConfig
+from pipeline.tracking import WandbMode
+from pipeline.train.config import TrainConfig
 
-STAGES = ("regen", "dump", "train", "eval", "export")
+
+class Stage(Choice):
+    all = "all"  # every stage in order
+    regen = "regen"
+    dump = "dump"
+    train = "train"
+    eval = "eval"
+    export = "export"
+
+
+STAGES = tuple(str(s) for s in Stage if s != Stage.all)  # the pipeline's order
 
 
 @dataclass
 class WandbConfig:
     project: str = "eaglet"
     entity: Optional[str] = None
-    mode: str = "offline"  # online | offline | disabled
+    mode: WandbMode = WandbMode.offline
     dir: Optional[str] = None  # default: the stage's output directory
+
+    def __post_init__(self) -> None:
+        self.mode = WandbMode.parse(self.mode, "wandb.mode")
 
 
 @dataclass
 class EagletConfig:
-    stage: str = "all"  # regen | dump | train | eval | export | all
+    stage: Stage = Stage.all
     # Experiment name; defaults to the selected `experiment` config group option.
     name: str = "demo"
     output_root: str = "outputs"
@@ -40,8 +56,12 @@ class EagletConfig:
     dump: DumpConfig = field(default_factory=DumpConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        self.stage = Stage.parse(self.stage, "stage")
 
     # Output layout: regen/dump per experiment; train/eval/export per head, so heads never collide.
     @property
@@ -65,12 +85,12 @@ class EagletConfig:
         # FastChat / EAGLE layout (data/<bench>/question.jsonl): the folder names the set.
         stem = path.parent.name if path.stem == "question" and path.parent.name else path.stem
         limit = f"-n{self.eval.limit}" if self.eval.limit else ""
-        e = self.eval
+        e, t = self.eval, self.tree
         # The settings that define a run are in the name (set, limit, temperature, token budget, the target's
         # precision, the tree), so such runs sit side by side; any other difference (seed, baseline_limit,
         # head) in an existing folder is refused by the eval's identity check, never mixed.
         return (f"{stem}{limit}-T{e.temperature:g}-m{e.max_new_tokens}-{self.target_precision}"
-                f"-tree{e.top_k}x{e.depth}x{e.total_tokens}")
+                f"-tree{t.top_k}x{t.depth}x{t.total_tokens}")
 
     @property
     def target_precision(self) -> str:

@@ -29,3 +29,16 @@ def shard_for_rank(n_items: int, info: RankInfo) -> range:
     """Item indices (e.g. whole batches) of this rank: round-robin, so ranks get near-equal work and
     the assignment depends only on (n_items, rank, world_size)."""
     return range(info.rank, n_items, info.world_size)
+
+
+def rank_target_config(target_cfg, info: RankInfo):
+    """The target config of this rank: with several ranks on CUDA, rank i of a node takes cuda:<local rank>
+    (`auto`/`cuda` would put them all on cuda:0). An explicit device (cpu, cuda:N) is kept as given."""
+    import dataclasses
+
+    import torch
+
+    if info.world_size > 1 and target_cfg.device in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank)
+        return dataclasses.replace(target_cfg, device=f"cuda:{info.local_rank}")
+    return target_cfg

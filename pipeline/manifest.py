@@ -3,6 +3,7 @@ manifest and refuses a mismatch with a message naming both sides."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import os
@@ -45,6 +46,8 @@ def to_plain(obj: Any) -> Any:
         return [to_plain(v) for v in obj]
     if isinstance(obj, Path):
         return str(obj)
+    if isinstance(obj, enum.Enum):  # config choices: recorded as their plain value, as before they were enums
+        return obj.value
     return obj
 
 

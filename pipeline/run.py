@@ -4,6 +4,7 @@ Composes the Hydra config, converts it to the typed `EagletConfig`, and hands it
 `run.main`. This module and the ConfigStore registration are the only places that know about Hydra."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -26,10 +27,6 @@ STAGE_MODULES = {
 log = logging.getLogger("eaglet")
 
 
-class StageUnavailable(RuntimeError):
-    pass
-
-
 def register_configs() -> None:
     ConfigStore.instance().store(name="eaglet_schema", node=EagletConfig)
 
@@ -39,29 +36,15 @@ def to_typed(cfg: DictConfig) -> EagletConfig:
 
 
 def stage_main(stage: str):
-    module_name = STAGE_MODULES[stage]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name == module_name:
-            raise StageUnavailable(f"stage '{stage}' is not built yet in this version of eaglet") from None
-        raise
-    return module.main
+    return importlib.import_module(STAGE_MODULES[str(stage)]).main
 
 
 def run_stages(cfg: EagletConfig) -> None:
-    stages = STAGES if cfg.stage == "all" else (cfg.stage,)
-    if any(s not in STAGES for s in stages):
-        raise StageUnavailable(f"unknown stage '{cfg.stage}': choose one of {', '.join(STAGES)} or all")
-    mains = [(s, stage_main(s)) for s in stages]  # fail before doing any work
+    stages = STAGES if cfg.stage == "all" else (str(cfg.stage),)  # `stage` is checked at compose time
+    mains = [(s, stage_main(s)) for s in stages]
     for stage, main in mains:
         log.info("=== stage %s (experiment %s) ===", stage, cfg.name)
-        main(_for_stage(cfg, stage))
-
-
-def _for_stage(cfg: EagletConfig, stage: str) -> EagletConfig:
-    import dataclasses
-    return dataclasses.replace(cfg, stage=stage)
+        main(dataclasses.replace(cfg, stage=stage))
 
 
 register_configs()
@@ -73,9 +56,6 @@ def main(dcfg: DictConfig) -> None:
     logging.getLogger().setLevel(cfg.log_level)
     try:
         run_stages(cfg)
-    except StageUnavailable as e:
-        print(f"eaglet: {e}", file=sys.stderr)
-        sys.exit(2)
     except Exception as e:
         if not is_user_error(e) or os.environ.get("EAGLET_TRACEBACK"):
             raise

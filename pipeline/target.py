@@ -17,7 +17,7 @@ import torch
 
 from pipeline import precision
 from pipeline.manifest import atomic_write_text, default_cache_root
-from pipeline.precision import dtype_name
+from pipeline.precision import dtype_name, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ class TargetConfig:
     dtype: str = "auto"
     cache_dir: Optional[str] = None  # default: $EAGLET_CACHE or ~/.cache/eaglet
     attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto":
+            parse_dtype(self.dtype, "target.dtype")  # a bad name fails when the config is built
 
 
 @dataclass
@@ -254,9 +258,11 @@ def config_summary(hf_config) -> dict:
     return {k: d[k] for k in ARCH_KEYS if k in d}
 
 
-def compute_fingerprint(model, tokenizer, cfg: TargetConfig, source: str, weights: Optional[str] = None) -> dict:
-    """`weights`: the stored weights' digest when `model` was cast at load (default: digest `model`)."""
-    summary = config_summary(model.config)
+def compute_fingerprint(hf_config, tokenizer, cfg: TargetConfig, source: str, weights: Optional[str]) -> dict:
+    """The target's identity, which every stage's manifest records and the next stage checks: architecture
+    (config summary), tokenizer and chat template, weights as stored (`weights`; None for a served target,
+    whose weights are on the server), never the compute precision."""
+    summary = config_summary(hf_config)
     return {
         "name": cfg.name,
         "source": source,
@@ -264,7 +270,7 @@ def compute_fingerprint(model, tokenizer, cfg: TargetConfig, source: str, weight
         "config": summary,
         "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
         "tokenizer_digest": tokenizer_digest(tokenizer),
-        "weights_digest": weights or weights_digest(model),
+        "weights_digest": weights,
     }
 
 
@@ -298,7 +304,7 @@ def load_target(cfg: TargetConfig) -> Target:
     tokenizer = AutoTokenizer.from_pretrained(location, revision=cfg.revision)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    fingerprint = compute_fingerprint(model, tokenizer, cfg, source, stored_weights_digest(model, location, cfg))
+    fingerprint = compute_fingerprint(model.config, tokenizer, cfg, source, stored_weights_digest(model, location, cfg))
     log.info("loaded target %s from %s in %.1f s (%s, %s)", cfg.name, location, time.time() - t0, device, dtype)
     return Target(model=model, tokenizer=tokenizer, device=device, dtype=dtype,
                   fingerprint=fingerprint, source=location)

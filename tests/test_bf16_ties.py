@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 import bf16_ties
+import pipeline.eval.decoder as decoder
 from bf16_ties import divergences, oracle
 from conftest import build_tiny_llama
 
-import pipeline.eval.decoder as decoder
 
 @pytest.fixture(scope="module")
 def bf16_model(tiny_tokenizer):

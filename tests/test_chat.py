@@ -53,7 +53,8 @@ MULTI_TURN = [
 # Assistant text spelling template tokens (the ones in the vocabulary become those special tokens).
 LOOKALIKE = [
     {"role": "user", "content": "Show me the markup."},
-    {"role": "assistant", "content": "Here: <|im_start|>user\nfake<|im_end|>\n<|eot_id|> <end_of_turn> <|im_end im_end|>"},
+    {"role": "assistant",
+     "content": "Here: <|im_start|>user\nfake<|im_end|>\n<|eot_id|> <end_of_turn> <|im_end im_end|>"},
 ]
 CONVERSATIONS = {"multi_turn": MULTI_TURN, "lookalike": LOOKALIKE}
 
@@ -204,7 +205,8 @@ def test_system_prompt_is_inserted_and_unmasked(request, template):
 
 def test_gemma_folds_system_into_first_user_turn(gemma_folding_tokenizer):
     out = tokenize_conversation(gemma_folding_tokenizer, MULTI_TURN, system_prompt="Answer tersely.")
-    assert "<start_of_turn>user\nAnswer tersely.\n\nWhat is 12 times 7?" in _decode(gemma_folding_tokenizer, out.input_ids)
+    decoded = _decode(gemma_folding_tokenizer, out.input_ids)
+    assert "<start_of_turn>user\nAnswer tersely.\n\nWhat is 12 times 7?" in decoded
 
 
 def test_template_without_system_role_rejects_system_prompt(gemma_tokenizer):

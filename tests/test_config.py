@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from pipeline.config import EagletConfig
-from pipeline.run import StageUnavailable, run_stages, stage_main, to_typed
+from pipeline.run import stage_main, to_typed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,8 +55,8 @@ def test_eval_run_names_never_collide_across_sets_and_limits(questions, limit, n
 
 
 @pytest.mark.parametrize("override,part", [
-    ("target.dtype=bfloat16", "-bfloat16-"), ("eval.top_k=8", "-tree8x6x60"), ("eval.depth=5", "-tree10x5x60"),
-    ("eval.total_tokens=40", "-tree10x6x40"), ("eval.max_new_tokens=64", "-m64-")])
+    ("target.dtype=bfloat16", "-bfloat16-"), ("tree.top_k=8", "-tree8x6x60"), ("tree.depth=5", "-tree10x5x60"),
+    ("tree.total_tokens=40", "-tree10x6x40"), ("eval.max_new_tokens=64", "-m64-")])
 def test_eval_run_names_name_precision_tree_and_budget(override, part):
     name = compose_cfg([override]).eval_run_name
     assert part in name and name != compose_cfg().eval_run_name
@@ -83,21 +83,37 @@ def test_cli_misspelt_key_names_it_without_running_anything():
     assert "Key 'tarin' not in 'EagletConfig'" in out.stderr
 
 
-def test_cli_unknown_stage_is_one_line_not_a_traceback(tmp_path):
+def test_cli_unknown_stage_names_the_choices_not_a_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pipeline.run", "stage=bogus", f"output_root={tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [
-        "eaglet: unknown stage 'bogus': choose one of regen, dump, train, eval, export or all"]
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "Invalid value 'bogus', expected one of [all, regen, dump, train, eval, export]" in out.stderr
+    assert not (tmp_path / "demo").exists()
 
 
-def test_unbuilt_stage_is_reported(monkeypatch):
-    import pipeline.run as run
-    monkeypatch.setitem(run.STAGE_MODULES, "regen", "pipeline.regen.not_a_module")
-    with pytest.raises(StageUnavailable, match="stage 'regen' is not built yet"):
-        stage_main("regen")
-    with pytest.raises(StageUnavailable):  # `all` checks every stage before running any
-        run_stages(EagletConfig(stage="all"))
+@pytest.mark.parametrize("override, message", [
+    ("train.schedule=cosin", "Invalid value 'cosin', expected one of [cosine, linear, constant]"),
+    ("regen.backend=llama", "Invalid value 'llama', expected one of [auto, hf, llamacpp, openai]"),
+    ("data.on_bad_record=ignore", "Invalid value 'ignore', expected one of [skip, fail]"),
+    ("export.dtype=int8", "Invalid value 'int8', expected one of [bfloat16, float32]"),
+    ("head.kind=eagle2", "unknown head kind 'eagle2': registered kinds are ['eagle1', 'eagle3']"),
+    ("export.format=onnx", "export.format='onnx': choose one of"),
+    ("eval.top_k=4", "eval.top_k is now tree.top_k"),
+    ("dump.dtype=int4", "dump.dtype='int4'"),
+    ("target.dtype=fp64", "target.dtype='fp64'"),
+])
+def test_a_bad_choice_fails_when_the_config_is_composed(override, message):
+    """Choices are enums or registry names: a typo fails before any stage starts, listing what is valid;
+    a key that moved names its new place."""
+    with pytest.raises(Exception) as e:
+        compose_cfg([override])
+    assert message in str(e.value) + str(e.value.__cause__)
+
+
+def test_stage_modules_cover_every_stage():
+    assert [stage_main(s).__module__ for s in ("regen", "dump", "train", "eval", "export")] == [
+        "pipeline.regen.run", "pipeline.hidden_states.run", "pipeline.train.run", "pipeline.eval.run",
+        "pipeline.export.run"]
 
 
 def test_experiment_name_comes_from_the_group_choice():
@@ -119,7 +135,7 @@ def test_cli_user_errors_are_one_clear_message(tmp_path):
 def test_quality_experiment_holds_out_every_eval_set():
     """Training prompts never come from MT-bench or the EAGLE bench sets, which the experiment evaluates on."""
     cfg = compose_cfg(["experiment=smollm2_quality"])
-    paths = [s["path"] if isinstance(s, dict) else s.path for s in cfg.data.sources]
+    paths = [s.path for s in cfg.data.sources]
     assert len(paths) == 7 and not any("mt_bench" in p or "eagle_bench" in p for p in paths)
     assert cfg.eval.questions.endswith("mt_bench/question.jsonl") and cfg.eval.max_new_tokens == 256
-    assert (cfg.eval.depth, cfg.eval.top_k, cfg.eval.total_tokens) == (6, 10, 60)
+    assert (cfg.tree.depth, cfg.tree.top_k, cfg.tree.total_tokens) == (6, 10, 60)

@@ -14,7 +14,8 @@ from pipeline.config import EagletConfig
 from pipeline.data.chat import tokenize_conversation
 from pipeline.data.config import DataConfig
 from pipeline.dist import RankInfo
-from pipeline.hidden_states.capture import HiddenStateCapture, default_layer_ids, pad_batch, resolve_layer_ids
+from pipeline.heads import default_aux_layer_ids
+from pipeline.hidden_states.capture import HiddenStateCapture, pad_batch, resolve_layer_ids
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.dump import dump_hidden_states, forward_batch, plan_dump
 from pipeline.hidden_states.plan import TokenizedSample, plan_batches, plan_shards
@@ -62,7 +63,7 @@ def shard_bytes(out: Path) -> dict[str, bytes]:
 
 
 def test_layer_ids_default_and_validation():
-    assert default_layer_ids(30) == [2, 15, 27] and default_layer_ids(8) == [2, 4, 5]
+    assert default_aux_layer_ids(30) == [2, 15, 27] and default_aux_layer_ids(8) == [2, 4, 5]
     assert resolve_layer_ids(None, 8) == [2, 4, 5] and resolve_layer_ids([0, 7], 8) == [0, 7]
     with pytest.raises(ValueError, match="out of range"):
         resolve_layer_ids([2, 8], 8)
@@ -148,7 +149,8 @@ def test_dump_roundtrip_zero_copy(tiny_target, samples, tmp_path, dtype):
                 assert got.input_ids.tolist() == samples[i].input_ids and got.loss_mask.tolist() == samples[i].loss_mask
                 assert got.aux_hidden.shape == (n, 3 * 64) and got.final_hidden.shape == (n, 64)
                 assert got.aux_hidden.dtype == layout.dtype
-                assert torch.equal(got.aux_hidden, aux[start:start + n]) and torch.equal(got.final_hidden, final[start:start + n])
+                assert torch.equal(got.aux_hidden, aux[start:start + n])
+                assert torch.equal(got.final_hidden, final[start:start + n])
                 start, row = start + n, row + 1
 
     # DataLoader workers get a pickled reader that maps the shards again on first access.
@@ -180,7 +182,8 @@ def assert_states_match_independent_run(model, reader, by_id, rows, atol):
         got = reader[row]
         seen = {}
         handles = [layers[i].register_forward_pre_hook(
-            lambda mod, args, kwargs, i=i: seen.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).clone()),
+            lambda mod, args, kwargs, i=i, seen=seen: seen.__setitem__(
+                i, (args[0] if args else kwargs["hidden_states"]).clone()),
             with_kwargs=True) for i in reader.layer_ids]
         try:
             with torch.no_grad():
@@ -273,7 +276,8 @@ def stage_config(tmp_path: Path, model_dir, **dump) -> EagletConfig:
     data_file = tmp_path / "conversations.jsonl"
     with open(data_file, "w") as f:
         for i in range(12):
-            turns = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in make_conversation(i)]
+            turns = [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                     for m in make_conversation(i)]
             f.write(json.dumps({"id": f"c{i}", "conversations": turns}) + "\n")
         f.write(json.dumps({"id": "prompt-only", "conversations": [{"from": "human", "value": "hello?"}]}) + "\n")
     return EagletConfig(

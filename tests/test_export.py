@@ -19,14 +19,23 @@ from pipeline.eval.decoder import generate, target_forward, vanilla_generate
 from pipeline.eval.drafter import EagleDrafter
 from pipeline.export import formats as fmts
 from pipeline.export.config import ExportConfig
-from pipeline.export.exporter import (CONFIG, WEIGHTS, ExportError, check_export, export_head, load_export,
-                                      max_logit_diff, model_architectures, tensor_infos)
+from pipeline.export.exporter import (
+    CONFIG,
+    WEIGHTS,
+    ExportError,
+    check_export,
+    export_head,
+    load_export,
+    max_logit_diff,
+    model_architectures,
+    tensor_infos,
+)
+from pipeline.export.formats.sglang import sglang_captured_layers, sglang_layers_agree
+from pipeline.heads import HeadConfig, build_draft_head, default_aux_layer_ids
+from pipeline.heads.config import DraftHeadConfig
+from pipeline.heads.io import save_head
+from pipeline.heads.vocab import vocab_from_ids
 from pipeline.manifest import digest_file, load_manifest, write_manifest
-from pipeline.train.checkpoint import save_head
-from pipeline.train.config import HeadConfig
-from pipeline.train.heads.common import build_draft_head
-from pipeline.train.heads.config import DraftHeadConfig
-from pipeline.train.vocab import vocab_from_ids
 
 REPO = Path(__file__).resolve().parents[1]
 ROPE_THETA = 500000.0  # not the 10000 default: the config must carry the value the head was trained with
@@ -34,7 +43,7 @@ DRAFT_VOCAB = 100
 VERIFIER = "org/tiny-llama"
 NUM_LAYERS = 8  # the tiny target's; default aux layers [2, 4, 5]
 
-# The tensor lists, written out independently of pipeline/export/formats.py.
+# The tensor lists, written out independently of pipeline/export/formats/.
 ATTN = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
 MLP = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
 EAGLE3_LAYER = ATTN + MLP + [f"{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
@@ -203,10 +212,12 @@ def test_vllm_export_needs_a_verifier_and_formats_match_head_kinds(tiny_model, t
 
 
 def test_default_layers_are_omitted_for_sglang_and_spelled_out_for_vllm():
-    assert fmts.default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M
+    assert default_aux_layer_ids(30) == [2, 15, 27]  # SmolLM2-135M
     cfg = DraftHeadConfig(aux_layer_ids=[2, 15, 27])
-    assert "eagle_config" not in fmts.sglang_config(cfg, torch.bfloat16, num_target_layers=30)
-    assert fmts.vllm_config(cfg, torch.bfloat16, VERIFIER, [], 3)["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    ctx = fmts.ExportContext(num_target_layers=30, verifier=VERIFIER)
+    assert "eagle_config" not in fmts.export_format("sglang").write_config(cfg, torch.bfloat16, ctx)
+    written = fmts.export_format("vllm").write_config(cfg, torch.bfloat16, ctx)
+    assert written["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
 
 
 @pytest.mark.parametrize("layers,convention,sglang_ids,agree", [
@@ -226,9 +237,9 @@ def test_custom_aux_layers_are_written_in_each_framework_numbering(tiny_model, t
     assert "eagle_aux_hidden_state_layer_ids" not in read_config(sglang)  # vLLM reads top-level ids as its own
     assert read_config(vllm)["eagle_aux_hidden_state_layer_ids"] == layers  # vLLM: input indices
     # What SGLang captures (its loop records the residual entering layer i for i in layers_to_capture):
-    targeted = fmts.sglang_captured_layers(sglang_ids, after_pr_25454=convention == "input")
+    targeted = sglang_captured_layers(sglang_ids, after_pr_25454=convention == "input")
     assert targeted == layers
-    assert fmts.sglang_layers_agree(sglang_ids) is agree
+    assert sglang_layers_agree(sglang_ids) is agree
     for out, kw in ((sglang, {"sglang_aux_convention": convention}), (vllm, {})):
         assert load_export(out, tiny_model, **kw).config.aux_layer_ids == layers
 

@@ -8,11 +8,12 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from pipeline.train.heads.common import KVCache, build_draft_head
-from pipeline.train.heads.config import DraftHeadConfig
-from pipeline.train.heads.eagle1 import Eagle1DraftHead
-from pipeline.train.heads.eagle3 import Eagle3DraftHead
-from pipeline.train.loss import add_uniform_noise, align_batch, eagle1_loss
+from pipeline.heads import build_draft_head
+from pipeline.heads.config import DraftHeadConfig
+from pipeline.heads.eagle1 import Eagle1DraftHead
+from pipeline.heads.eagle3 import Eagle3DraftHead
+from pipeline.heads.layers import KVCache
+from pipeline.heads.losses import add_uniform_noise, align_batch, eagle1_loss
 
 H, HEADS, KV, HEAD_DIM, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 120, 40
 
@@ -184,7 +185,7 @@ def test_cached_decoding_matches_one_call(kind):
     steps = [head(hidden[:, i : i + 1], ids[:, i : i + 1], pos[:, i : i + 1], cache=cache) for i in range(t)]
     assert cache.length == t
     torch.testing.assert_close(torch.cat([o for o, _ in steps], 1), full_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat([l for _, l in steps], 1), full_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([lg for _, lg in steps], 1), full_logits, rtol=1e-5, atol=1e-5)
 
     cache = KVCache()  # a prefix, then a chunk of several new tokens (causal among themselves)
     o1, _ = head(hidden[:, :4], ids[:, :4], pos[:, :4], cache=cache)
@@ -320,7 +321,7 @@ def test_chunked_head_soft_cross_entropy_matches_autograd_reference(chunk_rows):
     soft-CE(pred @ W^T, softmax(target @ W^T)) computed in float64: value and d/d pred within the fp32
     rounding bound derived for these inputs (so any BLAS path passes and any real error fails), and the
     agreement count on every row whose top-2 logit margin exceeds that rounding."""
-    from pipeline.train.loss import head_soft_cross_entropy
+    from pipeline.heads.losses import head_soft_cross_entropy
 
     g = torch.Generator().manual_seed(1)
     pred = torch.randn(7, H, generator=g, requires_grad=True)
@@ -334,7 +335,8 @@ def test_chunked_head_soft_cross_entropy_matches_autograd_reference(chunk_rows):
     loss_bound, grad_bound = fp32_soft_ce_error_bound(pred.detach(), target, weight)
     assert abs(loss.double() - ref.detach()) <= loss_bound
     assert ((pred.grad.double() - ref_pred.grad).abs() <= 2.5 * grad_bound).all()
-    assert float(grad_bound.max()) < 1e-3 * float(ref_pred.grad.abs().max())  # the bound is tight enough to mean something
+    # the bound is tight enough to mean something
+    assert float(grad_bound.max()) < 1e-3 * float(ref_pred.grad.abs().max())
     margin = lambda x: x.topk(2, -1).values.diff(dim=-1).abs().squeeze(-1)  # noqa: E731
     decisive = (margin(z.detach()) > 1e-3) & (margin(zt) > 1e-3)
     agree = (z.detach().argmax(-1) == zt.argmax(-1))
@@ -353,7 +355,7 @@ def test_eagle3_output_path_starts_as_the_targets(tiny_model):
     logits at the draft-vocabulary ids, so training starts from the target's output map, not a random one."""
     import copy
 
-    from pipeline.train.vocab import vocab_from_ids
+    from pipeline.heads.vocab import vocab_from_ids
 
     tiny_model = copy.deepcopy(tiny_model)  # a final norm that is not all ones, so copying it is seen
     with torch.no_grad():

@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oracle_drafter import OracleDrafter
 from pipeline.eval.decoder import generate, vanilla_generate
-from pipeline.eval.drafter import EagleDrafter, OracleDrafter
-from pipeline.train.heads.common import build_draft_head
-from pipeline.train.heads.config import DraftHeadConfig
+from pipeline.eval.drafter import EagleDrafter
+from pipeline.heads import build_draft_head
+from pipeline.heads.config import DraftHeadConfig
 
 N_NEW = 256
 QUESTIONS = [

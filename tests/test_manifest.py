@@ -2,8 +2,7 @@ import json
 
 import pytest
 
-from pipeline.manifest import (SCHEMA_VERSION, ManifestError, check_target, load_manifest,
-                               write_manifest)
+from pipeline.manifest import SCHEMA_VERSION, ManifestError, check_target, load_manifest, write_manifest
 from pipeline.target import TargetConfig
 
 

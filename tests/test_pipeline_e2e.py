@@ -30,7 +30,7 @@ def tiny_args(root: Path, model_dir: Path) -> list[str]:
             "head.draft_vocab_size=200", "train.epochs=3", "train.lr=3e-3", "train.warmup_steps=2",
             "train.micro_batch_tokens=512", "train.save_every=0", "train.eval_every=0", "train.tau_prompts=1",
             "train.tau_max_new_tokens=8", "train.val_fraction=0.2", "eval.max_new_tokens=32",
-            "eval.depth=4", "eval.top_k=4", "eval.total_tokens=16"]
+            "tree.depth=4", "tree.top_k=4", "tree.total_tokens=16"]
 
 
 QUESTIONS = [
@@ -75,7 +75,7 @@ def test_chain_regen_dump_train_eval(chain):
     assert summary["greedy_matches_baseline"] == "4/4"
     assert set(summary["time_fraction"]) == {"target", "draft", "other"}
     assert (ev_dir / "tau.png").stat().st_size > 0
-    answers = [json.loads(l) for l in (ev_dir / "answers.jsonl").read_text().splitlines()]
+    answers = [json.loads(line) for line in (ev_dir / "answers.jsonl").read_text().splitlines()]
     assert [(a["question_id"], a["turn"]) for a in answers] == [("1", 0), ("2", 0), ("2", 1), ("3", 0)]
     # The second turn is asked with the first turn's generated answer as history.
     assert answers[2]["prompt_tokens"] > answers[1]["prompt_tokens"] + answers[1]["new_tokens"]
@@ -103,14 +103,14 @@ def test_eval_resumes_in_pieces_and_refuses_other_settings(chain):
         assert (partial["questions_done"], partial["complete"]) == (done, False)
         assert not (ev / "pieces" / "manifest.json").exists()
         assert f"| eagle3 | pieces | 0 | {done}/3 (partial) | " in table(tmp_path / "e2e")
-    bad = subprocess.run([sys.executable, "-m", "pipeline.run", *piece, "eval.top_k=2"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "pipeline.run", *piece, "tree.top_k=2"], cwd=REPO,
                          env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline"), capture_output=True,
                          text=True, timeout=600)
     assert bad.returncode != 0 and "partial eval of another run" in bad.stderr + bad.stdout
     run_cli(piece)  # the last question
     summary = json.loads((ev / "pieces" / "summary.json").read_text())
     assert summary["complete"] and summary["turns"] == 4
-    assert len(summary["acceptance_by_depth"]) == 4 + 1  # eval.depth=4: paths of up to 5 drafts
+    assert len(summary["acceptance_by_depth"]) == 4 + 1  # tree.depth=4: paths of up to 5 drafts
     assert summary["baseline_turns"] == 1 and summary["greedy_matches_baseline"] == "1/1"
     assert load_manifest(ev / "pieces", "eval")["counts"]["turns"] == 4
     assert not (ev / "pieces" / "summary.partial.json").exists()

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.config import EagletConfig
 from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.chat import stop_token_ids
 from pipeline.data.config import DataConfig
 from pipeline.data.readers import read_sources
 from pipeline.dist import RankInfo, shard_for_rank
@@ -23,7 +24,7 @@ from pipeline.manifest import load_manifest
 from pipeline.regen import run as regen_run
 from pipeline.regen.batching import RegenItem, make_plan, to_item
 from pipeline.regen.config import HFGenerateConfig, RegenConfig
-from pipeline.regen.hf_backend import HFBackend, stop_token_ids
+from pipeline.regen.hf_backend import HFBackend
 from pipeline.regen.shards import RegenDir, RegenStateError, regen_sources
 from pipeline.regen.waves import Answer, Request, degenerate_flags, regen_batch
 from pipeline.target import TargetConfig, load_target
@@ -301,7 +302,7 @@ def _stage_cmd(cfg: EagletConfig) -> list[str]:
     r = cfg.regen
     return [sys.executable, "-m", "pipeline.run", "stage=regen", f"name={cfg.name}", f"output_root={cfg.output_root}",
             f"target.path={cfg.target.path}", "target.gguf_package=null", "target.name=tiny",
-            f"data.sources=[{cfg.data.sources[0]}]", f"regen.batch_size={r.batch_size}",
+            f"data.sources=[{{path: '{cfg.data.sources[0].path}'}}]", f"regen.batch_size={r.batch_size}",
             f"regen.batches_per_shard={r.batches_per_shard}", f"regen.max_new_tokens={r.max_new_tokens}",
             "regen.progress=false", f"regen.wait_timeout_s={r.wait_timeout_s}"]
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from llama_cpp_check import describe_exit
 from pipeline.config import EagletConfig
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.config import DataConfig
@@ -25,8 +26,6 @@ from pipeline.regen.config import OpenAIBackendConfig, RegenConfig
 from pipeline.regen.openai_backend import OpenAIBackend, ServerUnavailable
 from pipeline.regen.shards import regen_sources
 from pipeline.target import TargetConfig, packaged_gguf
-
-from llama_cpp_check import describe_exit
 
 N_CTX = 512
 

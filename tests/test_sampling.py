@@ -17,8 +17,8 @@ from pipeline.eval.decoder import generate, target_forward
 from pipeline.eval.drafter import EagleDrafter
 from pipeline.eval.tree import DraftTree, TreeSpec, build_draft_tree
 from pipeline.eval.verify import logits_to_probs
-from pipeline.train.heads.common import build_draft_head
-from pipeline.train.heads.config import DraftHeadConfig
+from pipeline.heads import build_draft_head
+from pipeline.heads.config import DraftHeadConfig
 
 V = 32
 T = 0.5  # moderately peaked: a few tokens share most of the mass, so siblings are rejected often

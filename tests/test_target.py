@@ -85,6 +85,7 @@ def test_gguf_cache_is_fast_and_exact(tmp_path):
     assert (cfgd.num_hidden_layers, cfgd.hidden_size, cfgd.vocab_size) == (30, 576, 49152)
     # The reference: the GGUF dequantized by transformers directly, without our cache.
     from transformers import AutoModelForCausalLM
+
     from pipeline.target import packaged_gguf
     gguf = packaged_gguf(cfg.gguf_package, cfg.gguf_file)
     ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()

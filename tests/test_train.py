@@ -20,11 +20,13 @@ import torch
 
 from pipeline.config import EagletConfig, TargetConfig, WandbConfig
 from pipeline.data.config import DataConfig, SourceConfig
+from pipeline.heads import HeadConfig
+from pipeline.heads.io import load_head
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.reader import DumpReader
 from pipeline.manifest import ManifestError, digest_file, load_manifest
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.config import HeadConfig, TrainConfig
+from pipeline.train.config import TrainConfig
 from pipeline.train.data import StepSchedule, collate, epoch_batches, pack, split_train_val, subsample
 from pipeline.train.loop import lr_factor
 from pipeline.train.metrics import read_metrics
@@ -87,8 +89,12 @@ def as_config(d: dict) -> EagletConfig:
     return cfg
 
 
-def run_cli(d: dict, env: dict | None = None, timeout: int = 120, launcher: list[str] | None = None):
-    cmd = (launcher or [sys.executable]) + ["-m", "pipeline.run"] + as_cli(d)
+def run_cli(d: dict, env: dict | None = None, timeout: int = 120, launcher: list[str] | None = None,
+            fault: str | None = None):
+    """`python -m pipeline.run` with `d` as overrides; `fault` ("<event>:<step>:<SIGNAL>") runs it through
+    tests/faulty_run.py, which signals the process at that point of training."""
+    entry = [str(Path(__file__).parent / "faulty_run.py"), fault] if fault else ["-m", "pipeline.run"]
+    cmd = (launcher or [sys.executable]) + entry + as_cli(d)
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
 
@@ -240,9 +246,9 @@ def read_wandb_history(run_file: Path) -> list[dict]:
 
 
 def test_eagle3_trains_end_to_end_with_offline_wandb(dump_root, tiny_model_dir, tmp_path):
+    from pipeline.heads.vocab import build_draft_vocab
     from pipeline.target import load_target
     from pipeline.train.run import main
-    from pipeline.train.vocab import build_draft_vocab
 
     d = overrides(dump_root, tiny_model_dir, "eagle3", "e3", **{"max_steps": 10})
     cfg = as_config(d)
@@ -304,13 +310,13 @@ def test_eagle3_trains_end_to_end_with_offline_wandb(dump_root, tiny_model_dir, 
 
     # load_head: the trained weights, embeddings from the target, eval mode; a foreign target is refused.
     target = load_target(tiny_target(tiny_model_dir))
-    head = ckpt.load_head(train_dir, target)
+    head = load_head(train_dir, target)
     assert not head.training
     assert torch.equal(head.fc.weight, weights["fc.weight"])
     assert torch.equal(head.embed_tokens.weight, target.model.get_input_embeddings().weight)
     foreign = dict(target.fingerprint, weights_digest="0" * 16)
     with pytest.raises(ManifestError, match="weights digest"):
-        ckpt.load_head(train_dir, type(target)(**{**target.__dict__, "fingerprint": foreign}))
+        load_head(train_dir, type(target)(**{**target.__dict__, "fingerprint": foreign}))
 
 
 def test_eagle1_trains_and_a_rerun_of_a_finished_stage_changes_nothing(dump_root, tiny_model_dir):
@@ -332,7 +338,7 @@ def test_eagle1_trains_and_a_rerun_of_a_finished_stage_changes_nothing(dump_root
     assert last["train/sim_tau"] == pytest.approx(1 + last["train/acc_0"])  # no TTT: one round
     weights = load_file(str(train_dir / "final" / "model.safetensors"))
     assert not {"embed_tokens.weight", "lm_head.weight"} & set(weights)  # frozen target copies
-    head = ckpt.load_head(train_dir, load_target(tiny_target(tiny_model_dir)))
+    head = load_head(train_dir, load_target(tiny_target(tiny_model_dir)))
     assert torch.equal(head.layers[0].mlp.up_proj.weight, weights["layers.0.mlp.up_proj.weight"])
 
     before = (train_dir / "metrics.jsonl").read_text()

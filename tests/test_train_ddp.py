@@ -11,10 +11,10 @@ import os
 import sys
 
 import pytest
-from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
 
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.run import main
+from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 

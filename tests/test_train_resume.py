@@ -3,17 +3,16 @@ the last complete checkpoint and repeats the uninterrupted run's per-step losses
 threads, same order of operations, so CPU results are in fact bitwise equal); SIGTERM checkpoints and exits
 with REQUEUE_EXIT_CODE.
 
-The interrupted runs are real `python -m pipeline.run` processes; EAGLET_TRAIN_FAULT makes them SIGKILL or
-SIGTERM themselves at a chosen step so the interruption point is deterministic."""
+The interrupted runs are real `python -m pipeline.run` processes, started through tests/faulty_run.py: a trainer
+hook makes them SIGKILL or SIGTERM themselves at a chosen point, so the interruption is deterministic."""
 from __future__ import annotations
 
 import pytest
-from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
 
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.loop import FAULT_ENV
 from pipeline.train.metrics import read_metrics
 from pipeline.train.run import main
+from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
 
 # 2 epochs of 7 steps, checkpoints every 4: resume points fall mid-epoch (step 4) and across the epoch edge.
 STEPS = 14
@@ -36,19 +35,20 @@ def reference(dump_root, tiny_model_dir):
 
 
 @pytest.mark.parametrize("kind, fault, resumed_from", [
-    ("eagle3", "kill:10", 8),  # SIGKILL after step 10 (in epoch 1): steps 9-10 are redone
-    ("eagle1", "kill_in_save:8", 4),  # SIGKILL inside step 8's checkpoint write: the half-written one is ignored
+    ("eagle3", "step_logged:10:SIGKILL", 8),  # after step 10 is logged (in epoch 1): steps 9-10 are redone
+    # inside step 8's checkpoint write: the half-written one is ignored
+    ("eagle1", "checkpoint_written:8:SIGKILL", 4),
 ])
 def test_kill9_then_rerun_reproduces_the_uninterrupted_losses(dump_root, tiny_model_dir, reference, kind, fault,
                                                               resumed_from):
     d = overrides(dump_root, tiny_model_dir, kind, f"killed-{kind}", tau_prompts=0)
     train_dir = dump_root / EXPERIMENT / "train" / f"killed-{kind}"
-    out = run_cli(d, env={FAULT_ENV: fault})
+    out = run_cli(d, fault=fault)
     assert out.returncode == -9, out.stderr[-2000:]
     killed_at = int(fault.split(":")[1])
     assert ckpt.latest_checkpoint(train_dir).name == f"step-{resumed_from}"
     assert max(train_losses(train_dir)) == killed_at  # the log ran ahead of the last checkpoint
-    if fault.startswith("kill_in_save"):
+    if fault.startswith("checkpoint_written"):
         assert (train_dir / "checkpoints" / f".step-{killed_at}.tmp").is_dir()
 
     main(as_config(d))  # the rerun
@@ -64,7 +64,7 @@ def test_kill9_then_rerun_reproduces_the_uninterrupted_losses(dump_root, tiny_mo
 def test_sigterm_checkpoints_and_exits_with_the_requeue_code(dump_root, tiny_model_dir, reference):
     d = overrides(dump_root, tiny_model_dir, "eagle3", "term", tau_prompts=0)
     train_dir = dump_root / EXPERIMENT / "train" / "term"
-    out = run_cli(d, env={FAULT_ENV: "term:5"})
+    out = run_cli(d, fault="step_done:5:SIGTERM")  # as if the signal arrived during step 5
     assert out.returncode == ckpt.REQUEUE_EXIT_CODE == 75, out.stderr[-2000:]
     assert "exiting with 75" in out.stdout + out.stderr
     assert ckpt.latest_checkpoint(train_dir).name == "step-5"  # saved at the step boundary, off the schedule

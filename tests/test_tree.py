@@ -9,8 +9,8 @@ from conftest import build_tiny_llama
 from pipeline.eval.decoder import keep_accepted_kv, target_forward
 from pipeline.eval.drafter import EagleDrafter
 from pipeline.eval.tree import DraftTree, TreeSpec, build_draft_tree
-from pipeline.train.heads.common import build_draft_head
-from pipeline.train.heads.config import DraftHeadConfig
+from pipeline.heads import build_draft_head
+from pipeline.heads.config import DraftHeadConfig
 
 V = 50
 
@@ -140,8 +140,8 @@ def test_tree_forward_matches_each_path_run_alone(attn):
         cache = DynamicCache(config=model.config)
         target_forward(model, prompt, cache)
         n = prompt.shape[1]
-        tree_logits, tree_states = target_forward(
-            model, tree.tokens[None], cache, (1, -1), tree.position_ids(n), tree.attention_mask(n, torch.float32, "cpu"))
+        tree_logits, tree_states = target_forward(model, tree.tokens[None], cache, (1, -1), tree.position_ids(n),
+                                                  tree.attention_mask(n, torch.float32, "cpu"))
         for path in tree.paths():
             seq = torch.cat([prompt, tree.tokens[path][None]], dim=1)
             out = model(seq, output_hidden_states=True)

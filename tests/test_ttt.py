@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.train.heads.common import build_draft_head
-from pipeline.train.heads.config import DraftHeadConfig
-from pipeline.train.loss import align_batch, eagle3_round_loss, shift_left, simulated_tau
-from pipeline.train.ttt import causal_plus_diagonal_attention, eagle3_ttt_loss
+from pipeline.heads import build_draft_head
+from pipeline.heads.config import DraftHeadConfig
+from pipeline.heads.losses import align_batch, eagle3_round_loss, shift_left, simulated_tau
+from pipeline.heads.ttt import causal_plus_diagonal_attention, eagle3_ttt_loss
 
 H, HEADS, KV, HEAD_DIM, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 120, 48
 
@@ -230,7 +230,7 @@ def test_simulated_tau():
 
 def test_target_distribution_on_masked_rows_equals_full():
     """The teacher computed on the loss rows only (what TTT uses) equals the full computation there."""
-    from pipeline.train.loss import target_distribution
+    from pipeline.heads.losses import target_distribution
 
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(2, 9, 16, generator=g), torch.randn(50, 16, generator=g)

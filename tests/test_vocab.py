@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from pipeline.train.vocab import build_draft_vocab, count_predicted_tokens, vocab_from_ids
+from pipeline.heads.vocab import build_draft_vocab, count_predicted_tokens, vocab_from_ids
 
 
 def samples():
@@ -47,7 +47,7 @@ def test_d2t_t2d_round_trip():
 
 
 def test_cap_at_distinct_tokens(caplog):
-    with caplog.at_level(logging.INFO, logger="pipeline.train.vocab"):
+    with caplog.at_level(logging.INFO, logger="pipeline.heads.vocab"):
         vocab = build_draft_vocab(samples(), vocab_size=12, draft_vocab_size=100)
     assert vocab.size == 5 and vocab.target_ids().tolist() == [2, 4, 5, 7, 9]
     assert vocab.coverage == pytest.approx(1.0)

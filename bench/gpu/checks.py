@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 
+
 def ties(device: str, prompts: int = 6, new_tokens: int = 96) -> dict:
     """The suite's tie criterion (tests/bf16_ties.py), on this device."""
     import bf16_ties

@@ -170,7 +170,7 @@ class Run:
     def quality(self, stage: str, budget: float, extra: list[str]):
         p = self.profile
         data = str(self.carried / "data" / "quality.jsonl.gz")
-        source = f"{{path: '{data}', limit: {p.quality_limit}}}" if p.quality_limit else f"'{data}'"
+        source = f"{{path: '{data}', limit: {p.quality_limit}}}" if p.quality_limit else f"{{path: '{data}'}}"
         overrides = [f"data.sources=[{source}]", f"regen.batch_size={p.regen_batch}",
                      f"regen.max_new_tokens={p.regen_tokens}", f"train.epochs={p.train_epochs}",
                      f"train.micro_batch_tokens={p.micro_batch_tokens}",

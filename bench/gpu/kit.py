@@ -121,7 +121,8 @@ def limit_violations(plan: dict) -> list[str]:
             problems.append(f"call {n}: {call['bytes']:,} B travel, at most {kitfiles.TREE_BYTES:,}")
         spent = sum(PROFILES["gpu"].budgets[p] for p in CALL_PHASES[n])
         if spent + CALL_MARGIN_S > kitfiles.CALL_LIMIT_S[n]:
-            problems.append(f"call {n}: phase budgets {spent} s + {CALL_MARGIN_S} s margin exceed {kitfiles.CALL_LIMIT_S[n]} s")
+            problems.append(f"call {n}: phase budgets {spent} s + {CALL_MARGIN_S} s margin exceed "
+                            f"{kitfiles.CALL_LIMIT_S[n]} s")
         if call["timeout_s"] > 600:
             problems.append(f"call {n}: timeout_s {call['timeout_s']} over the tool's 600 s")
     total = sum(CALL_TIMEOUT_S.values())

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-OVERLENGTH_POLICIES = ("truncate", "drop", "error")
+from pipeline.data.config import Overlength
 
 # Probe content for finding the turn suffix: plain ASCII without whitespace, so `trim` and friends keep it.
 _PROBE_CONTENT = "EagletProbeContent"
@@ -74,8 +74,7 @@ def tokenize_conversation(
     `error` raises `OverlengthError`. An assistant message that opens the conversation has no prompt the
     target could have answered, so it stays unmasked context.
     """
-    if overlength not in OVERLENGTH_POLICIES:
-        raise ValueError(f"overlength must be one of {OVERLENGTH_POLICIES}, got {overlength!r}")
+    overlength = Overlength.parse(overlength, "data.overlength")
     messages = _prepare(messages, system_prompt)
     text = _render(tokenizer, messages, add_generation_prompt=False)
     spans = _assistant_spans(tokenizer, messages, text)
@@ -160,13 +159,41 @@ def _turn_format(tokenizer) -> _TurnFormat:
     suffix = turn[turn.index(_PROBE_CONTENT, len(prompt)) + len(_PROBE_CONTENT):]
 
     # End-of-turn = the suffix up to and including its first special token.
-    special_ids = set(tokenizer.all_special_ids) | {
-        i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special
-    }
+    special_ids = _special_ids(tokenizer)
     enc = _encode(tokenizer, suffix, offsets=True)
     eot_chars = next((end for i, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]) if i in special_ids), 0)
     per_template[template] = fmt = _TurnFormat(suffix, eot_chars)
     return fmt
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the template puts right after an assistant message (ChatML `<|im_end|>`, Llama-3
+    `<|eot_id|>`): the last token of a probe turn's loss mask, which covers content + end-of-turn."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    tokenized = tokenize_conversation(tokenizer, probe)
+    masked = [t for t, m in zip(tokenized.input_ids, tokenized.loss_mask) if m]
+    return masked[-1] if masked and masked[-1] in _special_ids(tokenizer) else None
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The tokens that end an answer, for every stage that generates (regen, eval, train's tau probe, bench):
+    the tokenizer's EOS, the model's and its generation config's EOS, and the chat template's end-of-turn
+    token (a template may end turns with a token that is no EOS, e.g. Llama-3's `<|eot_id|>`)."""
+    ids: set[int] = set()
+    for eos in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(model.config, "eos_token_id", None)):
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    eot = end_of_turn_id(tokenizer)
+    if eot is not None:
+        ids.add(eot)
+    if not ids:
+        raise ValueError("target has no EOS or end-of-turn token: generation could never stop")
+    return sorted(ids)
 
 
 def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:

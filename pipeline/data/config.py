@@ -2,7 +2,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Mapping, Optional
+
+from pipeline.choices import Choice
+
+
+class SourceFormat(Choice):
+    auto = "auto"  # inferred from each record's fields
+    sharegpt = "sharegpt"
+    openai = "openai"
+    alpaca = "alpaca"
+    mtbench = "mtbench"
+    hf = "hf"  # datasets.load_dataset: local path or hub id
+
+
+class OnBadRecord(Choice):
+    skip = "skip"  # reported (file, line, reason) and left out
+    fail = "fail"  # stop at the first one
+
+
+class Overlength(Choice):
+    truncate = "truncate"
+    drop = "drop"
+    error = "error"
 
 
 @dataclass
@@ -10,8 +32,7 @@ class SourceConfig:
     """One input source. `format=auto` infers from the records (sharegpt, openai, alpaca, mtbench)."""
 
     path: str = ""
-    # auto | sharegpt | openai | alpaca | mtbench | hf (datasets.load_dataset: local path or hub id)
-    format: str = "auto"
+    format: SourceFormat = SourceFormat.auto
     split: str = "train"
     # For `hf` sources: canonical field -> dataset column, e.g. {"conversations": "dialog"}.
     columns: dict = field(default_factory=dict)
@@ -20,16 +41,37 @@ class SourceConfig:
     # Prefix of generated ids when the records carry none (default: the file stem).
     id_prefix: Optional[str] = None
 
+    def __post_init__(self) -> None:
+        self.format = SourceFormat.parse(self.format, "source format")
+        self.columns = dict(self.columns or {})
+
+    @classmethod
+    def of(cls, s: Any) -> "SourceConfig":
+        """A source from a path string or a mapping (YAML, the command line, JSON)."""
+        if isinstance(s, SourceConfig):
+            return s
+        if isinstance(s, str):
+            return cls(path=s)
+        if isinstance(s, Mapping):
+            return cls(**dict(s))
+        raise TypeError(f"data.sources: cannot make a source from {type(s).__name__} {s!r}")
+
 
 @dataclass
 class DataConfig:
     name: str = "demo"
     # Where the data sets live; source paths in conf/data/*.yaml are written as ${data.root}/...
     root: str = "../shared/data"
-    # Empty list: the demo prompts shipped inside the package (pipeline/data/demo/prompts.jsonl).
-    sources: list = field(default_factory=list)
-    on_bad_record: str = "skip"  # skip | fail
+    # Empty list: the demo prompts shipped inside the package (pipeline/data/demo/prompts.jsonl). On the
+    # command line: data.sources='[{path: a.json, format: sharegpt}]'.
+    sources: list[SourceConfig] = field(default_factory=list)
+    on_bad_record: OnBadRecord = OnBadRecord.skip
     max_length: int = 2048
-    overlength: str = "truncate"  # truncate | drop
+    overlength: Overlength = Overlength.truncate
     # System prompt added to every conversation that has none (None: the template's own default).
     system_prompt: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.sources = [SourceConfig.of(s) for s in self.sources]
+        self.on_bad_record = OnBadRecord.parse(self.on_bad_record, "data.on_bad_record")
+        self.overlength = Overlength.parse(self.overlength, "data.overlength")

@@ -36,16 +36,15 @@ from __future__ import annotations
 import gzip
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pipeline.data.bad_records import BadRecord, BadRecordError, BadRecordReport, Location
-from pipeline.data.config import DataConfig, SourceConfig
+from pipeline.data.config import DataConfig, OnBadRecord, SourceConfig
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 
-FORMATS = ("auto", "sharegpt", "openai", "alpaca", "mtbench", "hf")
 # The field that identifies each record format, in the order `auto` tries them.
 FORMAT_KEYS = {"sharegpt": "conversations", "openai": "messages", "mtbench": "turns", "alpaca": "instruction"}
 ROLE_ALIASES = {
@@ -386,10 +385,7 @@ def read_source(
     """Yield the Conversations of one source; bad records go to `report` (or raise `BadRecordError` at
     the first one when `on_bad_record="fail"`). `limit` counts yielded records. `seen_ids` (shared by
     `read_sources`) extends the id-uniqueness check beyond this source."""
-    if on_bad_record not in ("skip", "fail"):
-        raise ValueError(f"on_bad_record must be 'skip' or 'fail', got {on_bad_record!r}")
-    if src.format not in FORMATS:
-        raise ValueError(f"unknown source format {src.format!r}; expected one of {FORMATS}")
+    on_bad_record = OnBadRecord.parse(on_bad_record, "data.on_bad_record")
     if src.limit is not None and src.limit <= 0:
         return
     seen = set() if seen_ids is None else seen_ids
@@ -416,22 +412,21 @@ def read_source(
             return
 
 
-def _as_source(s: Any) -> SourceConfig:
-    if isinstance(s, SourceConfig):
-        return s
-    if isinstance(s, str):
-        return SourceConfig(path=s)
-    if isinstance(s, Mapping):  # plain dict or OmegaConf DictConfig from the Hydra entry point
-        s = dict(s)
-        s["columns"] = dict(s.get("columns") or {})
-        return SourceConfig(**s)
-    raise TypeError(f"cannot make a SourceConfig from {type(s).__name__}")
+def prompt_turns(conv: dict) -> tuple[Optional[str], list[str]]:
+    """A Conversation as what a generator answers: (its system message or None, every user turn in order,
+    MT-bench follow-ups (meta["followup_turns"]) appended). Original assistant turns are not part of it:
+    regen and eval ask the target to answer each user turn itself, with its own answers as history."""
+    messages = conv["messages"]
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    turns = [m["content"] for m in messages if m["role"] == "user"]
+    turns += list((conv.get("meta") or {}).get("followup_turns") or [])
+    return system, turns
 
 
 def read_sources(cfg: DataConfig, report: BadRecordReport) -> Iterator[dict]:
     """All sources of a data config in order, ids unique across all of them. No sources: the packaged
     demo prompts (read as `auto`, so they may be `messages` or MT-bench-style `turns` records)."""
-    sources: Iterable[SourceConfig] = [_as_source(s) for s in cfg.sources] or [SourceConfig(path=str(DEMO_PROMPTS))]
+    sources = [SourceConfig.of(s) for s in cfg.sources] or [SourceConfig(path=str(DEMO_PROMPTS))]
     seen: set = set()
     for src in sources:
         yield from read_source(src, report, cfg.on_bad_record, seen_ids=seen)

@@ -142,7 +142,8 @@ class RowLogits:
 
 
 def supports_row_logits(model: torch.nn.Module) -> bool:
-    return model.config.model_type in LLAMA_LIKE_MODEL_TYPES and isinstance(model.get_output_embeddings(), torch.nn.Linear)
+    return (model.config.model_type in LLAMA_LIKE_MODEL_TYPES
+            and isinstance(model.get_output_embeddings(), torch.nn.Linear))
 
 
 # transformers >= 5.24 (the version constraints.txt pins) captures only the hidden states listed in

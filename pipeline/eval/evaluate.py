@@ -10,8 +10,8 @@ from typing import Iterable, Optional
 import torch
 from tqdm import tqdm
 
-from pipeline.data.chat import render_prompt
-from pipeline.eval.config import EvalConfig
+from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.eval.decoder import GenerationResult, generate, mean_accepted_tokens, vanilla_generate
 from pipeline.eval.drafter import EagleDrafter
 from pipeline.eval.questions import Question
@@ -49,19 +49,7 @@ class TurnRecord:
         return mean_accepted_tokens(self.accept_lengths) if self.accept_lengths else 0.0
 
 
-def stop_token_ids(target_model, tokenizer) -> set[int]:
-    """EOS of the generation config plus the tokenizer's eos (the chat template's end-of-turn token)."""
-    ids: set[int] = set()
-    for source in (getattr(target_model, "generation_config", None), target_model.config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfig,
+def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfig, tree: TreeConfig,
                      system_prompt: Optional[str] = None, progress=None,
                      deadline: Optional[float] = None, fp32_model=None) -> list[TurnRecord]:
     """Answer every question (all its turns) with the tree decoder, plus the vanilla baseline on the first
@@ -69,7 +57,7 @@ def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfi
     `progress` (EvalProgress) supplies finished questions and records new
     ones; once a question ends past `deadline` (time.monotonic()) no new one starts: the result may be partial."""
     model, tokenizer = target.model, target.tokenizer
-    eos = stop_token_ids(model, tokenizer)
+    eos = set(stop_token_ids(tokenizer, model))
     drafter = EagleDrafter(head)
     done = progress.done if progress is not None else {}
     records = []
@@ -81,7 +69,7 @@ def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfi
             bar.update(len(q.turns))
             continue
         with_baseline = cfg.baseline and (cfg.baseline_limit is None or qi < cfg.baseline_limit)
-        q_records = _answer(model, tokenizer, drafter, q, qi, cfg, eos, system_prompt, with_baseline, bar,
+        q_records = _answer(model, tokenizer, drafter, q, qi, cfg, tree, eos, system_prompt, with_baseline, bar,
                             fp32_model)
         records.extend(q_records)
         if progress is not None:
@@ -93,7 +81,7 @@ def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfi
     return records
 
 
-def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, eos: set[int],
+def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, tree: TreeConfig, eos: set[int],
             system_prompt: Optional[str], with_baseline: bool, bar, fp32_model=None) -> list[TurnRecord]:
     """All turns of one question; later turns see the speculative answers as history."""
     messages = [{"role": "system", "content": q.system}] if q.system else []
@@ -104,7 +92,7 @@ def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, eo
         # One seed per (question, turn): sampling runs are reproducible and independent of order.
         seed = cfg.seed * 1_000_003 + qi * 101 + ti
         spec = generate(model, drafter, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
-                        top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens,
+                        top_k=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens,
                         eos_token_ids=eos, seed=seed)
         rec = _record(q, ti, prompt, spec, tokenizer)
         if with_baseline:

@@ -7,7 +7,7 @@ from typing import Optional
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.config import SourceConfig
-from pipeline.data.readers import read_source
+from pipeline.data.readers import prompt_turns, read_source
 
 DEMO_QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "demo" / "questions.jsonl"
 
@@ -25,10 +25,7 @@ def load_questions(path: str, limit: Optional[int], report: BadRecordReport,
     src = SourceConfig(path=path or str(DEMO_QUESTIONS), format="auto", limit=limit)
     questions = []
     for rec in read_source(src, report, on_bad_record):
-        msgs = rec["messages"]
-        system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
-        users = [m["content"] for m in msgs if m["role"] == "user"]
-        users += list(rec["meta"].get("followup_turns", []))
+        system, users = prompt_turns(rec)
         questions.append(Question(id=str(rec["id"]), category=str(rec["meta"].get("category", "default")),
                                   turns=users, system=system))
     if not questions:

@@ -115,15 +115,11 @@ def plot_summary(summary: dict, out_png: Path, title: str = "") -> Path:
 
 
 def log_wandb(wandb_cfg, out_dir: Path, summary: dict, run_name: str, config: dict) -> Optional[str]:
-    import os
+    from pipeline.tracking import start_wandb_run
 
-    mode = os.environ.get("WANDB_MODE") or wandb_cfg.mode
-    if mode == "disabled":
+    run = start_wandb_run(wandb_cfg, out_dir, config, run_name, job_type="eval")
+    if run is None:
         return None
-    import wandb
-
-    run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, mode=mode,
-                     dir=str(wandb_cfg.dir or out_dir), name=run_name, config=config, job_type="eval")
     flat = {"eval/tau": summary["tau"], **{f"eval/tau_{c}": t for c, t in summary["tau_per_category"].items()},
             **{f"eval/alpha_{d + 1}": a for d, a in enumerate(summary["acceptance_by_depth"])}}
     if "speedup" in summary:

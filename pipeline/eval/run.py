@@ -9,12 +9,12 @@ import time
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.eval.evaluate import answer_questions, record_dict
+from pipeline.eval.progress import EvalProgress
 from pipeline.eval.questions import load_questions
 from pipeline.eval.report import format_summary, log_wandb, plot_summary, summarize
-from pipeline.eval.progress import EvalProgress
+from pipeline.heads.io import load_head
 from pipeline.manifest import MANIFEST, digest_file, load_manifest, to_plain, write_manifest
 from pipeline.target import load_target
-from pipeline.train.checkpoint import load_head
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def main(cfg) -> dict:
     head = load_head(train_dir, target)  # refuses a head trained on another target
     report = BadRecordReport()
     questions = load_questions(cfg.eval.questions, cfg.eval.limit, report, cfg.data.on_bad_record)
-    settings = {"top_k": cfg.eval.top_k, "depth": cfg.eval.depth, "total_tokens": cfg.eval.total_tokens,
+    settings = {"top_k": cfg.tree.top_k, "depth": cfg.tree.depth, "total_tokens": cfg.tree.total_tokens,
                 "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
                 "device": str(target.device), "dtype": target.precision,
                 "questions": cfg.eval.questions or "demo", "head": cfg.head.name}
@@ -47,10 +47,10 @@ def main(cfg) -> dict:
                                                    .encode()).hexdigest()}
     progress = EvalProgress(out_dir, identity, cfg.eval.overwrite)
     deadline = None if cfg.eval.time_budget_s is None else time.monotonic() + cfg.eval.time_budget_s
-    records = answer_questions(target, head, questions, cfg.eval, system_prompt=cfg.data.system_prompt,
+    records = answer_questions(target, head, questions, cfg.eval, cfg.tree, system_prompt=cfg.data.system_prompt,
                                progress=progress, deadline=deadline, fp32_model=fp32_baseline_model(cfg, target))
     # A draft path holds up to depth + 1 tokens (EAGLE's round 0 plus `depth` expansions): report every level.
-    summary = summarize(records, settings, cfg.eval.depth + 1)
+    summary = summarize(records, settings, cfg.tree.depth + 1)
     n_done = len({r.question_id for r in records})
     summary.update(questions=len(questions), questions_done=n_done, complete=n_done == len(questions))
     summary["target"] = target.fingerprint
@@ -67,8 +67,9 @@ def main(cfg) -> dict:
         (out_dir / "summary.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
         plot_summary(summary, out_dir / "tau.png", title=f"{cfg.name} / {cfg.head.name} / {cfg.eval_run_name}")
         log_wandb(cfg.wandb, out_dir, summary, f"{cfg.name}-{cfg.head.name}-{cfg.eval_run_name}",
-                  to_plain({"eval": cfg.eval, "head": cfg.head, "target": cfg.target}))
-        write_manifest(out_dir, "eval", config={"eval": cfg.eval, "head": cfg.head, "target": cfg.target},
+                  to_plain({"eval": cfg.eval, "tree": cfg.tree, "head": cfg.head, "target": cfg.target}))
+        write_manifest(out_dir, "eval", config={"eval": cfg.eval, "tree": cfg.tree, "head": cfg.head,
+                                                "target": cfg.target},
                        counts={"questions": len(questions), "turns": len(records),
                                "new_tokens": summary["new_tokens"], "bad_records": report.to_dict()},
                        timings={"total_s": time.perf_counter() - t0, "spec_wall_s": summary["spec_wall_s"]},

@@ -13,17 +13,24 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from pipeline.heads import build_draft_head, head_spec
 from pipeline.target import Target
-from pipeline.train.heads.common import build_draft_head
 
-from . import formats as F
-from .formats import EAGLE1, SGLANG, VLLM, ExportError
+from .formats import (
+    DTYPE_NAMES,
+    INDEX_DTYPES,
+    SAFETENSORS_DTYPES,
+    ExportContext,
+    ExportError,
+    ExportFormat,
+    aux_order,
+    check_aux_layers,
+    detect_format,
+    format_for_head,
+)
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-
-# Head tensors each format leaves out because the serving framework takes them from the target.
-FROM_TARGET = {SGLANG: {"embed_tokens.weight"}, VLLM: set(), EAGLE1: {"lm_head.weight", "d2t", "t2d"}}
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ class TensorInfo:
 def export_head(
     head: nn.Module,
     out_dir: Path,
-    fmt: str,
+    fmt: Optional[str],
     dtype: torch.dtype = torch.bfloat16,
     *,
     num_target_layers: int,
@@ -48,28 +55,22 @@ def export_head(
     verifier_architectures: Sequence[str] = (),
     speculative_tokens: int = 3,
     sglang_aux_convention: str = "output",
+    tree: tuple[int, int, int] = (10, 6, 60),
 ) -> Path:
-    """Writes `out_dir/{config.json, model.safetensors}` for `fmt` (replacing a previous export there) and checks
-    the result with `check_export` before it becomes visible. `verifier` (vllm format) is the target's hub id
-    or path as the serving machine will see it."""
+    """Writes `out_dir/{config.json, model.safetensors}` in format `fmt` (None: the head kind's default),
+    replacing a previous export there, and checks the result with `check_export` before it becomes visible.
+    `verifier` (vllm format) is the target's hub id or path as the serving machine will see it."""
     config = head.config
-    fmt = F.resolve_format(fmt, config.kind)
-    if dtype not in F.DTYPE_NAMES:
+    form = format_for_head(fmt, config.kind)
+    if dtype not in DTYPE_NAMES:
         raise ExportError(f"dtype {dtype}: export bfloat16 or float32")
-    F.check_convention(sglang_aux_convention)
-    state = export_state(head, fmt, dtype)
-    if config.kind == "eagle3":
-        F.check_aux_layers(config.aux_layer_ids, num_target_layers)
+    ctx = ExportContext(num_target_layers, verifier, tuple(verifier_architectures), speculative_tokens,
+                        str(sglang_aux_convention), tuple(tree))
+    state = export_state(head, form, dtype)
+    if head_spec(config.kind).features == "aux":
+        check_aux_layers(config.aux_layer_ids, num_target_layers)
         config = dataclasses.replace(config, aux_layer_ids=sorted(config.aux_layer_ids))
-    if fmt == SGLANG:
-        doc = F.sglang_config(config, dtype, num_target_layers, sglang_aux_convention)
-    elif fmt == VLLM:
-        if not verifier:
-            raise ExportError("the vllm format names its verifier: set export.verifier or target.hub_id")
-        doc = F.vllm_config(config, dtype, verifier, verifier_architectures, speculative_tokens)
-    else:
-        doc = F.eagle1_config(config, dtype)
-    return _write_atomically(Path(out_dir), doc, state)
+    return _write_atomically(Path(out_dir), form.write_config(config, dtype, ctx), state)
 
 
 def model_architectures(model: nn.Module) -> list[str]:
@@ -78,23 +79,24 @@ def model_architectures(model: nn.Module) -> list[str]:
     return list(getattr(model.config, "architectures", None) or [type(model).__name__])
 
 
-def export_state(head: nn.Module, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def export_state(head: nn.Module, form: ExportFormat, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors under the format's names; floating tensors in `dtype`, the vocabulary maps as they
-    are (int64 d2t, bool t2d). EAGLE-3 fc column blocks are put in ascending aux-layer order."""
+    are (int64 d2t, bool t2d). The fc column blocks of a head fusing target layers are put in ascending layer
+    order."""
     state = {}
     for name, tensor in head.state_dict().items():
-        out_name = F.export_name(fmt, name)
+        out_name = form.to_format(name)
         if out_name is None:
             continue
         tensor = tensor.detach().to("cpu")
-        if name == "fc.weight" and head.config.kind == "eagle3":
+        if name == "fc.weight" and head.config.aux_layer_ids:
             tensor = _fc_in_layer_order(tensor, head.config.aux_layer_ids)
         state[out_name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
     return state
 
 
 def _fc_in_layer_order(weight: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
-    order = F.aux_order(layer_ids)
+    order = aux_order(layer_ids)
     if order == list(range(len(layer_ids))):
         return weight
     h, n = weight.shape[0], len(layer_ids)
@@ -144,35 +146,31 @@ def check_export(export_dir: Path) -> list[TensorInfo]:
     (any extra or missing tensor fails), their shapes from the config, one floating dtype matching
     `torch_dtype`, and a consistent draft vocabulary. Returns the tensors (sorted by name)."""
     cfg = read_config(export_dir)
-    fmt = F.detect_format(cfg)
+    form = detect_format(cfg)
     infos = tensor_infos(export_dir)
     found = {t.name: t for t in infos}
-    problems = F.config_problems(cfg, fmt)
+    problems = form.config_problems(cfg)
     if not problems:
-        expected = F.expected_tensors(fmt, _shape_config(cfg, fmt, fc_bias="fc.bias" in found))
+        # Tensor shapes do not depend on which target layers are fused: any valid layer count will do here.
+        expected = form.expected_tensors(form.read_config(cfg, num_target_layers=64, fc_bias="fc.bias" in found))
         problems += [f"missing tensor {n} {list(s)}" for n, s in expected.items() if n not in found]
         problems += [f"unexpected tensor {n} {list(found[n].shape)}" for n in found if n not in expected]
         problems += [f"{n}: shape {list(found[n].shape)}, expected {list(s)}"
                      for n, s in expected.items() if n in found and found[n].shape != s]
-        problems += _dtype_problems(infos, F.layer_fields(cfg, fmt).get("torch_dtype") or cfg.get("torch_dtype"))
+        problems += _dtype_problems(infos, form.layer_fields(cfg).get("torch_dtype") or cfg.get("torch_dtype"))
         if not problems and "d2t" in found:
             problems += _vocab_problems(export_dir, cfg["draft_vocab_size"])
     if problems:
-        raise ExportError(f"{export_dir} ({fmt} format):\n  " + "\n  ".join(problems))
+        raise ExportError(f"{export_dir} ({form.name} format):\n  " + "\n  ".join(problems))
     return infos
 
 
-def _shape_config(cfg: dict, fmt: str, fc_bias: bool):
-    # Tensor shapes do not depend on which target layers are fused, so any valid layer count will do here.
-    return F.head_config(cfg, fmt, num_target_layers=64, fc_bias=fc_bias)
-
-
 def _dtype_problems(infos: list[TensorInfo], torch_dtype: Optional[str]) -> list[str]:
-    want = F.SAFETENSORS_DTYPES.get(torch_dtype or "")
+    want = SAFETENSORS_DTYPES.get(torch_dtype or "")
     if want is None:
         return [f"torch_dtype {torch_dtype!r}: expected bfloat16 or float32"]
-    return [f"{t.name}: dtype {t.dtype}, expected {F.INDEX_DTYPES.get(t.name, want)}"
-            for t in infos if t.dtype != F.INDEX_DTYPES.get(t.name, want)]
+    return [f"{t.name}: dtype {t.dtype}, expected {INDEX_DTYPES.get(t.name, want)}"
+            for t in infos if t.dtype != INDEX_DTYPES.get(t.name, want)]
 
 
 def _vocab_problems(export_dir: Path, draft_vocab_size: int) -> list[str]:
@@ -205,27 +203,25 @@ def tensor_table(infos: Sequence[TensorInfo]) -> str:
 def load_export(export_dir: Path, target, device: Optional[torch.device] = None,
                 dtype: Optional[torch.dtype] = None, sglang_aux_convention: str = "output") -> nn.Module:
     """An eaglet head from an export of any format, in eval mode. `target` (a pipeline.target.Target or an HF
-    causal LM) provides what the format leaves to the serving framework: the embedding for sglang, the lm_head
-    for eagle1. Device/dtype default to the target's, so bf16 weights load into an fp32 head exactly rounded."""
+    causal LM) provides what the format leaves to the serving framework (`from_target`: the embedding for
+    sglang, the lm_head for eagle1). Device/dtype default to the target's, so bf16 weights load into an fp32
+    head exactly rounded."""
     from safetensors.torch import load_file
 
     export_dir = Path(export_dir)
     check_export(export_dir)
     cfg = read_config(export_dir)
-    fmt = F.detect_format(cfg)
-    state = {F.head_name(fmt, k): v for k, v in load_file(str(export_dir / WEIGHTS)).items()}
+    form = detect_format(cfg)
+    state = {form.from_format(k): v for k, v in load_file(str(export_dir / WEIGHTS)).items()}
     model = target.model if isinstance(target, Target) else target
-    config = F.head_config(cfg, fmt, model.config.num_hidden_layers, fc_bias="fc.bias" in state,
-                           sglang_convention=sglang_aux_convention)
+    config = form.read_config(cfg, model.config.num_hidden_layers, fc_bias="fc.bias" in state,
+                              sglang_convention=str(sglang_aux_convention))
     head = build_draft_head(config)
     missing, unexpected = head.load_state_dict(state, strict=False)
-    if set(missing) != FROM_TARGET[fmt] or unexpected:
+    if set(missing) != set(form.from_target) or unexpected:
         raise ExportError(f"{export_dir}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     with torch.no_grad():
-        if fmt == SGLANG:
-            head.copy_target_embeddings(model.get_input_embeddings().weight)
-        if fmt == EAGLE1:
-            head.lm_head.weight.copy_(model.get_output_embeddings().weight)
+        form.fill_from_target(head, model)
     param = next(model.parameters())
     return head.to(device=device or param.device, dtype=dtype or param.dtype).eval()
 

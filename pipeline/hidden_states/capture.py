@@ -13,17 +13,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from pipeline.heads.config import default_aux_layer_ids
+
 CONVENTION = "input-to-layer"
 FINAL_FEATURE = "final-norm-output"
 
 
-def default_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's low / mid / high features."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def resolve_layer_ids(layer_ids: Optional[Sequence[int]], num_layers: int) -> list[int]:
-    ids = default_layer_ids(num_layers) if layer_ids is None else [int(i) for i in layer_ids]
+    ids = default_aux_layer_ids(num_layers) if layer_ids is None else [int(i) for i in layer_ids]
     if not ids:
         raise ValueError("dump.layer_ids is empty")
     bad = [i for i in ids if not 0 <= i < num_layers]

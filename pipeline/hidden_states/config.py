@@ -3,12 +3,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pipeline.choices import Choice
+
+
+class DumpInput(Choice):
+    regen = "regen"  # this experiment's regen output (the target's own answers)
+    data = "data"  # the data sources as they are (answers included)
+
 
 @dataclass
 class DumpConfig:
     # Input: "regen" reads this experiment's regen output; "data" tokenizes the data sources directly.
-    input: str = "regen"
-    # Input-to-layer ids (hidden_states[i] enters decoder layer i). None: [2, L//2, L-3].
+    input: DumpInput = DumpInput.regen
+    # Input-to-layer ids (hidden_states[i] enters decoder layer i). None: pipeline.heads.default_aux_layer_ids.
     layer_ids: Optional[list] = None
     batch_tokens: int = 8192  # tokens per forward batch (padded length x rows)
     max_batch_size: int = 16
@@ -16,3 +23,10 @@ class DumpConfig:
     dtype: str = "auto"  # auto (= target dtype) | bfloat16 | float16 | float32
     limit: Optional[int] = None
     verify: bool = False
+
+    def __post_init__(self) -> None:
+        from pipeline.precision import parse_dtype
+
+        self.input = DumpInput.parse(self.input, "dump.input")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype, "dump.dtype")

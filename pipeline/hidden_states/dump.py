@@ -23,9 +23,19 @@ from pipeline.dist import RankInfo, rank_info, shard_for_rank
 from pipeline.hidden_states.capture import CONVENTION, FINAL_FEATURE, HiddenStateCapture, pad_batch, resolve_layer_ids
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.plan import DumpPlan, TokenizedSample, make_plan
-from pipeline.hidden_states.shards import (FORMAT_NAME, FORMAT_VERSION, ShardWriter, StateLayout, dtype_name,
-                                           record_batch, resolve_dump_dtype, shard_entry, shard_index,
-                                           shard_metadata, shard_name)
+from pipeline.hidden_states.shards import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    ShardWriter,
+    StateLayout,
+    dtype_name,
+    record_batch,
+    resolve_dump_dtype,
+    shard_entry,
+    shard_index,
+    shard_metadata,
+    shard_name,
+)
 from pipeline.manifest import MANIFEST, atomic_write_text, write_manifest
 
 log = logging.getLogger(__name__)

@@ -10,21 +10,18 @@ from typing import Iterable, Iterator
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import tokenize_conversation
 from pipeline.data.readers import read_source, read_sources
+from pipeline.hidden_states.config import DumpInput
 from pipeline.hidden_states.plan import TokenizedSample
 from pipeline.manifest import MANIFEST, check_target, load_manifest
 from pipeline.regen.shards import regen_sources
 
 log = logging.getLogger(__name__)
 
-INPUTS = ("regen", "data")
-
 
 def read_conversations(cfg, fingerprint: dict, report: BadRecordReport) -> tuple[Iterator[dict], list[Path]]:
     """(conversations, input stage dirs whose manifests were consumed). `cfg` is the root EagletConfig."""
-    if cfg.dump.input == "data":
+    if DumpInput.parse(cfg.dump.input, "dump.input") == DumpInput.data:
         return read_sources(cfg.data, report), []
-    if cfg.dump.input != "regen":
-        raise ValueError(f"dump.input={cfg.dump.input!r}: expected one of {', '.join(INPUTS)}")
     regen_dir = cfg.stage_dir("regen")
     manifest = load_manifest(regen_dir, expect_stage="regen")
     check_target(fingerprint, manifest, regen_dir / MANIFEST, what="regen target")
@@ -41,7 +38,8 @@ def read_conversations(cfg, fingerprint: dict, report: BadRecordReport) -> tuple
     return conversations(), [regen_dir]
 
 
-def tokenize_all(conversations: Iterable[dict], tokenizer, data_cfg, limit=None) -> tuple[list[TokenizedSample], Counter]:
+def tokenize_all(conversations: Iterable[dict], tokenizer, data_cfg, limit=None
+                 ) -> tuple[list[TokenizedSample], Counter]:
     """Every conversation tokenized, in input order. Conversations without a single assistant token teach
     the draft nothing and are skipped (counted), like overlength ones under `overlength=drop`."""
     samples, counts = [], Counter()

@@ -4,11 +4,11 @@
     sample = reader[i]        # DumpSample(id, input_ids [T], loss_mask [T], aux_hidden [T, 3H], final_hidden [T, H])
     reader.lengths            # np.int64 [len(reader)] tokens per row, e.g. for length-grouped batching
 
-Each shard is mapped copy-on-write (`torch.from_file(shared=False)`, i.e. MAP_PRIVATE): `aux_hidden` / `final_hidden` are views of the
-file's pages, so reading costs page cache, not anonymous memory, and an in-place edit of a returned tensor
-touches a private copy of that page, never the file. Arrow only parses the layout (footer, offsets);
-the bytes go straight from the mapping into torch. `input_ids` / `loss_mask` are stored as int32 / uint8
-and widened to int64 on access (a copy of T elements).
+Each shard is mapped copy-on-write (`torch.from_file(shared=False)`, i.e. MAP_PRIVATE): `aux_hidden` /
+`final_hidden` are views of the file's pages, so reading costs page cache, not anonymous memory, and an
+in-place edit of a returned tensor touches a private copy of that page, never the file. Arrow only parses
+the layout (footer, offsets); the bytes go straight from the mapping into torch. `input_ids` / `loss_mask`
+are stored as int32 / uint8 and widened to int64 on access (a copy of T elements).
 """
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ class DumpReader:
                 lengths.append(np.diff(offsets).astype(np.int64))
                 rows += n
             if rows != entry["rows"]:
-                raise ManifestError(f"{self.dir}: shard {entry['file']} has {rows} rows, the manifest says {entry['rows']}")
+                raise ManifestError(f"{self.dir}: shard {entry['file']} has {rows} rows, "
+                                    f"the manifest says {entry['rows']}")
         cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
         self._shard_ix, self._batch_ix, self._row_ix = (cat(x, np.int32) for x in (shard_ix, batch_ix, row_ix))
         self.lengths: np.ndarray = cat(lengths, np.int64)

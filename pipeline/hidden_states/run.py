@@ -2,13 +2,10 @@
 Slurm). Reads regen's conversations (or the data sources), writes `outputs/<experiment>/dump/`."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
-import torch
-
 from pipeline.data.bad_records import BadRecordReport
-from pipeline.dist import rank_info
+from pipeline.dist import rank_info, rank_target_config
 from pipeline.hidden_states.dump import DumpSummary, dump_hidden_states
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
 from pipeline.hidden_states.reader import verify_dump
@@ -23,10 +20,7 @@ class DumpVerifyError(RuntimeError):
 
 def main(cfg) -> DumpSummary:
     rank = rank_info()
-    target_cfg = cfg.target
-    if rank.world_size > 1 and target_cfg.device == "auto" and torch.cuda.is_available():
-        target_cfg = dataclasses.replace(target_cfg, device=f"cuda:{rank.local_rank}")
-    target = load_target(target_cfg)
+    target = load_target(rank_target_config(cfg.target, rank))
 
     report = BadRecordReport()
     conversations, inputs = read_conversations(cfg, target.fingerprint, report)

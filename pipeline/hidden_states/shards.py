@@ -25,7 +25,6 @@ import pyarrow as pa
 import torch
 
 from pipeline.precision import DTYPES, dtype_name, parse_dtype
-
 from pipeline.target import file_sha256
 
 FORMAT_NAME = "eaglet-hidden-states"

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pipeline.data.readers import prompt_turns
+
 
 @dataclass(frozen=True)
 class RegenItem:
@@ -45,11 +47,9 @@ class RegenItem:
 def to_item(conv: dict, system_prompt: Optional[str] = None) -> RegenItem:
     """A data-layer Conversation -> RegenItem. Every user message is a turn to answer, whether or not an
     assistant message follows it; `system_prompt` applies when the conversation has no system message."""
-    messages = conv["messages"]
-    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else system_prompt
-    turns = [m["content"] for m in messages if m["role"] == "user"]
-    meta = dict(conv.get("meta") or {})
-    turns += list(meta.pop("followup_turns", None) or [])
+    system, turns = prompt_turns(conv)
+    system = system_prompt if system is None else system
+    meta = {k: v for k, v in (conv.get("meta") or {}).items() if k != "followup_turns"}
     if not turns:
         raise ValueError(f"conversation {conv['id']!r} has no user turn")
     return RegenItem(id=str(conv["id"]), system=system, user_turns=tuple(turns), meta=meta)

@@ -3,6 +3,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pipeline.choices import Choice
+
+
+class RegenBackend(Choice):
+    auto = "auto"
+    hf = "hf"
+    llamacpp = "llamacpp"
+    openai = "openai"
+
+
+class OnDegenerate(Choice):
+    flag = "flag"  # keep empty / cut-off answers, flagged in the records
+    drop = "drop"  # drop the conversation
+
+
+class KVCacheKind(Choice):
+    dynamic = "dynamic"
+    static = "static"
+
 
 @dataclass
 class OpenAIBackendConfig:
@@ -38,19 +57,25 @@ class HFGenerateConfig:
     """`regen.backend=hf` options (the bench of engines, bench/bench_stages.py, measures them)."""
     # dynamic: the KV cache grows each step (HF's default) | static: one cache per batch, allocated for its
     # prompt width + max_new_tokens (fixed shapes, which torch.compile needs).
-    cache: str = "dynamic"
+    cache: KVCacheKind = KVCacheKind.dynamic
     # torch.compile the forward that generate runs (needs cache=static). It compiles once per batch shape, so
     # static widths are rounded up to pad_to_multiple tokens to let batches share compiled graphs.
     compile: bool = False
     pad_to_multiple: int = 256
 
+    def __post_init__(self) -> None:
+        self.cache = KVCacheKind.parse(self.cache, "regen.hf.cache")
+        if self.compile and self.cache != KVCacheKind.static:
+            raise ValueError("regen.hf.compile needs regen.hf.cache=static (a growing cache changes shape each step)")
+
 
 @dataclass
 class RegenConfig:
     # auto: llamacpp when the target is a GGUF, it runs on CPU and the llama-server binary is built (AMX
-    # prompt processing, continuous batching; the comparison with hf is in docs/results.md), else hf | hf (in-process batched HF generate) |
-    # llamacpp | openai (any OpenAI-compatible server you run).
-    backend: str = "auto"
+    # prompt processing, continuous batching; the comparison with hf is in docs/results.md), else hf.
+    # hf: in-process batched HF generate. llamacpp: a llama.cpp server regen starts itself. openai: any
+    # OpenAI-compatible server you run.
+    backend: RegenBackend = RegenBackend.auto
     batch_size: int = 16
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -58,7 +83,7 @@ class RegenConfig:
     seed: int = 0
     limit: Optional[int] = None  # first N conversations of the input (None: all)
     batches_per_shard: int = 4
-    on_degenerate: str = "flag"  # flag | drop (empty answers, answers cut at max_new_tokens)
+    on_degenerate: OnDegenerate = OnDegenerate.flag  # empty answers, answers cut at max_new_tokens
     # A directory holding a different run (input, plan, generation settings, target) is refused unless set.
     overwrite: bool = False
     # Rank 0 waits this long for the other ranks' shards before giving up on the manifest.
@@ -71,3 +96,7 @@ class RegenConfig:
     hf: HFGenerateConfig = field(default_factory=HFGenerateConfig)
     openai: OpenAIBackendConfig = field(default_factory=OpenAIBackendConfig)
     llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
+
+    def __post_init__(self) -> None:
+        self.backend = RegenBackend.parse(self.backend, "regen.backend")
+        self.on_degenerate = OnDegenerate.parse(self.on_degenerate, "regen.on_degenerate")

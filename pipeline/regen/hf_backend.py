@@ -12,39 +12,13 @@ from typing import Union
 
 import torch
 
-from pipeline.data.chat import render_prompt, tokenize_conversation
+from pipeline.data.chat import render_prompt, stop_token_ids
 from pipeline.regen.batching import RegenItem, derive_seed
 from pipeline.regen.config import HFGenerateConfig
 from pipeline.regen.waves import Answer, Failure, Request
 from pipeline.target import Target
 
 log = logging.getLogger(__name__)
-
-
-def _special_ids(tokenizer) -> set[int]:
-    return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-
-
-def end_of_turn_id(tokenizer) -> int | None:
-    """The special token the template puts right after an assistant message (ChatML `<|im_end|>`, Llama-3
-    `<|eot_id|>`): the last token of a probe turn's loss mask, which covers content + end-of-turn."""
-    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    tokenized = tokenize_conversation(tokenizer, probe)
-    masked = [t for t, m in zip(tokenized.input_ids, tokenized.loss_mask) if m]
-    return masked[-1] if masked and masked[-1] in _special_ids(tokenizer) else None
-
-
-def stop_token_ids(tokenizer, model) -> list[int]:
-    ids = set()
-    for eos in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    eot = end_of_turn_id(tokenizer)
-    if eot is not None:
-        ids.add(eot)
-    if not ids:
-        raise ValueError("target has no EOS or end-of-turn token: generation could never stop")
-    return sorted(ids)
 
 
 def compile_config(device: torch.device):
@@ -64,13 +38,9 @@ class HFBackend:
     concurrency = 0  # one padded batch per wave (waves.py)
 
     def __init__(self, target: Target, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 options: HFGenerateConfig = HFGenerateConfig()):
+                 options: HFGenerateConfig | None = None):
         if max_new_tokens < 1:
             raise ValueError(f"regen.max_new_tokens must be >= 1, got {max_new_tokens}")
-        if options.cache not in ("dynamic", "static"):
-            raise ValueError(f"regen.hf.cache must be dynamic or static, got {options.cache!r}")
-        if options.compile and options.cache != "static":
-            raise ValueError("regen.hf.compile needs regen.hf.cache=static (a growing cache changes shape each step)")
         self.model, self.tokenizer, self.device = target.model, target.tokenizer, target.device
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
@@ -82,6 +52,7 @@ class HFBackend:
         if temperature > 0:
             # top_k=0: no top-k cut; otherwise the model's or HF's default (50) would silently apply.
             self.generate_kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+        options = options or HFGenerateConfig()
         self.pad_to = options.pad_to_multiple if options.cache == "static" else 1
         if options.cache == "static":
             self.generate_kwargs["cache_implementation"] = "static"

@@ -6,29 +6,28 @@ rank 0 waits for every shard and writes the manifest. Logic lives in batching / 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.config import EagletConfig
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.readers import read_sources
-from pipeline.dist import RankInfo, rank_info, shard_for_rank
+from pipeline.dist import RankInfo, rank_info, rank_target_config, shard_for_rank
 from pipeline.manifest import FINGERPRINT_KEYS, write_manifest
 from pipeline.regen.batching import Plan, RegenItem, make_plan, to_items
 from pipeline.regen.config import HFGenerateConfig, RegenConfig
 from pipeline.regen.shards import RegenDir, sum_stats
-from pipeline.regen.waves import ON_DEGENERATE, regen_batch
+from pipeline.regen.waves import regen_batch
+
+if TYPE_CHECKING:
+    from pipeline.config import EagletConfig
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "hf", "llamacpp", "openai")
 
 
 def main(cfg: EagletConfig) -> Optional[dict]:
@@ -104,10 +103,6 @@ def finalize_partial(cfg: EagletConfig, out: RegenDir, report: BadRecordReport, 
 
 
 def _check(rcfg: RegenConfig) -> None:
-    if rcfg.backend not in BACKENDS:
-        raise ValueError(f"regen.backend must be one of {BACKENDS}, got {rcfg.backend!r}")
-    if rcfg.on_degenerate not in ON_DEGENERATE:
-        raise ValueError(f"regen.on_degenerate must be one of {ON_DEGENERATE}, got {rcfg.on_degenerate!r}")
     if rcfg.temperature < 0 or not 0 < rcfg.top_p <= 1:
         raise ValueError(f"regen.temperature must be >= 0 and 0 < top_p <= 1 (got {rcfg.temperature}, {rcfg.top_p})")
 
@@ -123,7 +118,7 @@ def resolve_backend(cfg: EagletConfig) -> str:
     else in-process HF generation."""
     rcfg = cfg.regen
     if rcfg.backend != "auto":
-        return rcfg.backend
+        return str(rcfg.backend)
     from pipeline.regen.llama_server import find_binary
     from pipeline.target import resolve_device, resolve_source
 
@@ -151,7 +146,7 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
         from pipeline.regen.hf_backend import HFBackend
         from pipeline.target import load_target
 
-        target = load_target(_rank_device(cfg, info))
+        target = load_target(rank_target_config(cfg.target, info))
         backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, rcfg.hf)
         generation["stop_token_ids"] = backend.stop_ids
         if rcfg.hf != HFGenerateConfig():  # recorded only when set, so runs started before these options resume
@@ -214,27 +209,17 @@ def start_llama_server(cfg: EagletConfig, info: RankInfo):
                        max_seq=getattr(hf_config, "max_position_embeddings", None) or 4096)
 
 
-def _rank_device(cfg: EagletConfig, info: RankInfo):
-    # One GPU per rank: `auto`/`cuda` would put every rank of a node on cuda:0.
-    if info.world_size > 1 and cfg.target.device in ("auto", "cuda") and torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank)
-        return dataclasses.replace(cfg.target, device=f"cuda:{info.local_rank}")
-    return cfg.target
-
-
 def served_fingerprint(cfg: EagletConfig, tokenizer, served) -> dict:
     """`compute_fingerprint`'s fields for the configured target (what the served model must be), from its config
     and tokenizer only: the weights that generate are on the server, so `weights_digest` is None rather than a
     digest of local weights that did not generate."""
     from transformers import AutoConfig
 
-    from pipeline.target import config_summary, materialize, tokenizer_digest
+    from pipeline.target import compute_fingerprint, materialize
 
     location, source = materialize(cfg.target)
-    summary = config_summary(AutoConfig.from_pretrained(location, revision=cfg.target.revision))
-    return {"name": cfg.target.name, "source": source, "hub_id": cfg.target.hub_id, "config": summary,
-            "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
-            "tokenizer_digest": tokenizer_digest(tokenizer), "weights_digest": None,
+    hf_config = AutoConfig.from_pretrained(location, revision=cfg.target.revision)
+    return {**compute_fingerprint(hf_config, tokenizer, cfg.target, source, weights=None),
             "served": {"base_url": served.base_url, "model": served.model}}
 
 

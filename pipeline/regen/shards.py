@@ -117,7 +117,8 @@ class RegenDir:
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         atomic_write_text(self.shard_path(shard), text)
         if failures:
-            atomic_write_text(self.error_path(shard), "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures))
+            lines = "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures)
+            atomic_write_text(self.error_path(shard), lines)
         else:
             self.error_path(shard).unlink(missing_ok=True)  # left by an earlier, failed attempt
         marker = {

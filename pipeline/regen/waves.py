@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol, Union
 
 from pipeline.regen.batching import RegenItem, derive_seed
-
-ON_DEGENERATE = ("flag", "drop")
+from pipeline.regen.config import OnDegenerate
 
 
 @dataclass
@@ -155,8 +154,7 @@ def _by_conversation(backend: Backend, items: list[RegenItem], seed: int
 
 
 def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenerate: str = "flag") -> BatchResult:
-    if on_degenerate not in ON_DEGENERATE:
-        raise ValueError(f"regen.on_degenerate must be one of {ON_DEGENERATE}, got {on_degenerate!r}")
+    on_degenerate = OnDegenerate.parse(on_degenerate, "regen.on_degenerate")
     t0 = time.perf_counter()
     schedule = _by_conversation if getattr(backend, "concurrency", 0) > 0 else _by_waves
     answers, failed = schedule(backend, items, seed)

@@ -1,12 +1,9 @@
-"""Checkpoints of the train stage and the trained head's on-disk format.
+"""Checkpoints of the train stage.
 
     <train dir>/checkpoints/step-N/   head (trainable weights + vocab maps), optimizer, scheduler, RNG states
                                       of every rank, trainer_state.json (step, data position); written to a
                                       temporary directory and renamed, so a step-N directory is always whole
-    <train dir>/final/                model.safetensors + head_config.json: what export/eval load
-
-The frozen copies of target weights (embeddings; EAGLE-1's lm_head) are never saved: `load_head` takes
-them from the target itself, after checking it is the target the head was trained on."""
+    <train dir>/final/                the trained head (pipeline/heads/io.py): what export and eval load"""
 from __future__ import annotations
 
 import json
@@ -23,10 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.manifest import atomic_write_text, check_target, load_manifest
-
-from .heads.common import build_draft_head
-from .heads.config import DraftHeadConfig
+from pipeline.heads.io import load_head_weights, save_head
+from pipeline.manifest import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -35,63 +30,10 @@ log = logging.getLogger(__name__)
 REQUEUE_EXIT_CODE = 75
 
 CHECKPOINTS = "checkpoints"
-FINAL = "final"
-HEAD_WEIGHTS = "model.safetensors"
-HEAD_CONFIG = "head_config.json"
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the head
-
-
-def frozen_names(head: nn.Module) -> set[str]:
-    """Parameters copied from the target (not trained, not saved)."""
-    return {name for name, p in head.named_parameters() if not p.requires_grad}
-
-
-def head_state(head: nn.Module) -> dict[str, torch.Tensor]:
-    """Trained parameters and the vocabulary buffers (d2t, t2d), contiguous CPU copies."""
-    skip = frozen_names(head)
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in head.state_dict().items() if k not in skip}
-
-
-def save_head(head: nn.Module, directory: Path) -> None:
-    """model.safetensors + head_config.json (DraftHeadConfig.to_dict(): rope_theta as trained)."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(head_state(head), str(directory / HEAD_WEIGHTS), metadata={"format": "pt"})
-    _write_json(directory / HEAD_CONFIG, head.config.to_dict())
-
-
-def load_head_weights(head: nn.Module, directory: Path) -> None:
-    """Load `save_head` output into a freshly built head; anything missing must be a frozen target copy."""
-    from safetensors.torch import load_file
-
-    missing, unexpected = head.load_state_dict(load_file(str(directory / HEAD_WEIGHTS)), strict=False)
-    missing = set(missing) - frozen_names(head)
-    if missing or unexpected:
-        raise RuntimeError(f"{directory / HEAD_WEIGHTS}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-
-
-def load_head(train_dir: Path, target, device: Optional[torch.device] = None,
-              dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """The trained head of a completed train stage, in eval mode, with its frozen embedding (and EAGLE-1
-    lm_head) copied from `target` (a pipeline.target.Target) -- which must be the target it was trained on
-    (fingerprint checked against the train manifest). Device/dtype default to the target's."""
-    train_dir = Path(train_dir)
-    manifest = load_manifest(train_dir, expect_stage="train")
-    check_target(target.fingerprint, manifest, train_dir / "manifest.json")
-    final = train_dir / FINAL
-    config = DraftHeadConfig.from_dict(json.loads((final / HEAD_CONFIG).read_text()))
-    head = build_draft_head(config)
-    load_head_weights(head, final)
-    head.copy_from_target(target.model)
-    return head.to(device=device or target.device, dtype=dtype or target.dtype).eval()
 
 
 # ---------------------------------------------------------------------------------------------------------

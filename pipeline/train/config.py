@@ -1,27 +1,23 @@
-"""Hydra schema of the train stage: `HeadConfig` (which head, its training objective) and `TrainConfig`
-(optimization, batching, checkpointing, distributed). See pipeline/train/run.py for the stage layout."""
+"""Hydra schema of the train stage: `TrainConfig` (optimization, batching, checkpointing, distributed). What
+to train is `HeadConfig` (pipeline/heads/config.py). See pipeline/train/run.py for the stage layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pipeline.choices import Choice
 
-@dataclass
-class HeadConfig:
-    kind: str = "eagle3"  # eagle3 | eagle1
-    name: str = "eagle3"  # output folder name: outputs/<experiment>/train/<name>
-    draft_vocab_size: int = 32000  # eagle3 only; capped at the distinct tokens seen
-    ttt_steps: int = 7  # eagle3 training-time-test rounds
-    ttt_decay: float = 0.8  # weight of round i is decay**i
-    # eagle3: "random" as the official EAGLE-3 trainer; "target" starts lm_head/norm as the target's
-    # (draft-vocab rows, final norm; as speculators does for lm_head). On the SmolLM2 quality dump "target"
-    # was worse (val round-0 accuracy 0.144 against 0.203 at step 50, docs/results.md), hence the default.
-    lm_head_init: str = "random"
-    rope_theta: float = 10000.0
-    fc_bias: bool = False  # eagle1
-    feature_loss_weight: float = 1.0  # eagle1
-    token_loss_weight: float = 0.1  # eagle1
-    feature_noise: float = 0.2  # eagle1: uniform noise scale on input features
+
+class Schedule(Choice):
+    cosine = "cosine"  # warmup, then cosine from lr to lr * min_lr_ratio
+    linear = "linear"  # warmup, then linear to lr * min_lr_ratio
+    constant = "constant"  # warmup, then lr
+
+
+class MixedPrecision(Choice):
+    auto = "auto"  # bf16 autocast where bf16 is fast (GPUs, AMX/AVX512-BF16 CPUs; pipeline/precision.py)
+    no = "no"
+    bf16 = "bf16"
 
 
 @dataclass
@@ -33,7 +29,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | linear | constant
+    schedule: Schedule = Schedule.cosine
     grad_clip: float = 0.5
     # Micro-batch size in padded tokens (rows x longest row); a row longer than this is a batch by itself.
     micro_batch_tokens: int = 4096
@@ -54,8 +50,11 @@ class TrainConfig:
     tau_prompts: int = 2  # validation prompts decoded with the real tree decoder at each checkpoint
     tau_max_new_tokens: int = 48
     plot: bool = True  # curves.png in the train dir at the end
-    # auto (bf16 autocast where bf16 is fast: GPUs, AMX/AVX512-BF16 CPUs; see pipeline/precision.py) | no | bf16
-    mixed_precision: str = "auto"
+    mixed_precision: MixedPrecision = MixedPrecision.auto
     # A DeepSpeed JSON (e.g. conf/deepspeed/zero2.json); GPU only. Model code stays single-device either way.
     deepspeed_config: Optional[str] = None
     resume: bool = True  # continue from the last checkpoint in the train dir (false: refuse a non-empty dir)
+
+    def __post_init__(self) -> None:
+        self.schedule = Schedule.parse(self.schedule, "train.schedule")
+        self.mixed_precision = MixedPrecision.parse(self.mixed_precision, "train.mixed_precision")

@@ -10,82 +10,35 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from pipeline.heads import HeadConfig, head_spec
+
 from . import checkpoint as ckpt
-from .config import HeadConfig, TrainConfig
+from .config import TrainConfig
 from .data import Batch, StepSchedule, collate, epoch_batches, eval_batches
-from .loss import align_batch, eagle1_loss
 from .metrics import MetricsLog, add_stats, derive, reduce_stats
-from .ttt import eagle3_ttt_loss
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# objectives
-
-
-class Eagle3Objective(nn.Module):
-    """Head + TTT loss. The frozen target lm_head is a non-persistent buffer: it gives the soft targets
-    (the dump holds final hidden states, not logits) and is never trained or saved."""
-
-    needs_aux = True
-
-    def __init__(self, head: nn.Module, target_lm_head_weight: torch.Tensor, head_cfg: HeadConfig):
-        super().__init__()
-        self.head = head
-        self.register_buffer("target_lm_head", target_lm_head_weight.detach(), persistent=False)
-        self.ttt_steps, self.decay = head_cfg.ttt_steps, head_cfg.ttt_decay
-
-    def stat_shapes(self) -> dict[str, int]:
-        return {"loss": 1, "round_loss": self.ttt_steps, "round_correct": self.ttt_steps,
-                "round_total": self.ttt_steps}
-
-    def forward(self, input_ids, loss_mask, attention_mask, aux_hidden, final_hidden, noise_seed=None):
-        batch = align_batch(input_ids, loss_mask, aux_hidden, final_hidden, attention_mask)
-        out = eagle3_ttt_loss(self.head, batch, self.target_lm_head, self.ttt_steps, self.decay)
-        return {"loss": out["loss"], "round_loss": out["round_loss"], "round_correct": out["round_correct"],
-                "round_total": out["round_total"]}
-
-
-class Eagle1Objective(nn.Module):
-    """Head + EAGLE-1 loss (feature regression + token soft-CE through the frozen target lm_head)."""
-
-    needs_aux = False
-
-    def __init__(self, head: nn.Module, head_cfg: HeadConfig):
-        super().__init__()
-        self.head = head
-        self.feature_weight, self.token_weight = head_cfg.feature_loss_weight, head_cfg.token_loss_weight
-        self.noise = head_cfg.feature_noise
-
-    def stat_shapes(self) -> dict[str, int]:
-        return {"loss": 1, "feature_loss": 1, "token_loss": 1, "round_correct": 1, "round_total": 1}
-
-    def forward(self, input_ids, loss_mask, attention_mask, aux_hidden, final_hidden, noise_seed=None):
-        batch = align_batch(input_ids, loss_mask, final_hidden, final_hidden, attention_mask)
-        generator, noise = None, 0.0
-        if self.training and self.noise > 0:
-            noise = self.noise
-            generator = torch.Generator(final_hidden.device).manual_seed(int(noise_seed or 0))
-        out = eagle1_loss(self.head, batch, self.feature_weight, self.token_weight, noise, generator)
-        return {"loss": out["loss"], "feature_loss": out["feature_loss"], "token_loss": out["token_loss"],
-                "round_correct": out["correct"].reshape(1), "round_total": out["total"].reshape(1)}
+# objectives (each head kind's, from the registry: pipeline/heads/)
 
 
 def build_objective(head: nn.Module, head_cfg: HeadConfig, target_lm_head_weight: torch.Tensor) -> nn.Module:
-    if head_cfg.kind == "eagle3":
-        return Eagle3Objective(head, target_lm_head_weight, head_cfg)
-    return Eagle1Objective(head, head_cfg)
+    return head_spec(head.config.kind).objective_class.from_config(head, head_cfg, target_lm_head_weight)
+
+
+def reads_aux(objective: nn.Module) -> bool:
+    """The objective's head reads the dump's fused aux states (else the final hidden states)."""
+    return head_spec(objective.head.config.kind).features == "aux"
 
 
 def noise_seed(seed: int, epoch: int, position: int) -> int:
@@ -130,12 +83,8 @@ def lr_factor(step: int, total_steps: int, cfg: TrainConfig) -> float:
         return 1.0
     span = max(1, total_steps - cfg.warmup_steps - 1)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    if cfg.schedule == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    elif cfg.schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        raise ValueError(f"train.schedule={cfg.schedule!r}: expected cosine, linear or constant")
+    # TrainConfig checked the name: cosine or linear here
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
@@ -177,15 +126,17 @@ class TauProbe:
         return {"eval/tau": mean_accepted_tokens(accept_lengths), "eval/decode_s": time.perf_counter() - t0}
 
 
-# Fault injection for the resume tests: "<when>:<step>" with when = kill (SIGKILL after step N is logged),
-# kill_in_save (SIGKILL inside step N's checkpoint write, before the rename) or term (SIGTERM during step N).
-FAULT_ENV = "EAGLET_TRAIN_FAULT"
+# Hooks called as hook(event, step) at fixed points of the run (tests install fault injectors here; a profiler
+# or a custom logger could be one too):
+#   "step_done"       step N's optimizer step is done, before anything is logged or saved
+#   "step_logged"     step N's metrics are written (a checkpoint at N, if any, comes after)
+#   "checkpoint_written"  step N's checkpoint is complete in its temporary directory, not yet renamed
+TRAINER_HOOKS: list[Callable[[str, int], None]] = []
 
 
-def _fault(when: str, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec and spec.split(":")[0] == when and int(spec.split(":")[1]) == step:
-        os.kill(os.getpid(), signal.SIGTERM if when == "term" else signal.SIGKILL)
+def _announce(event: str, step: int) -> None:
+    for hook in TRAINER_HOOKS:
+        hook(event, step)
 
 
 class StopForRequeue(SystemExit):
@@ -242,7 +193,7 @@ class Trainer:
         return self._epoch_cache[1]
 
     def _collate(self, indices: Sequence[int]) -> Batch:
-        return collate(self.reader, indices, self.cfg.max_length, self.objective.needs_aux).to(self.par.device)
+        return collate(self.reader, indices, self.cfg.max_length, reads_aux(self.objective)).to(self.par.device)
 
     @staticmethod
     def _inputs(batch: Batch) -> dict:
@@ -316,7 +267,7 @@ class Trainer:
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.train_dir, self.par, self.model, self.optimizer, self.scheduler,
                                     self.trainer_state(), self.cfg.keep_checkpoints,
-                                    before_rename=lambda: _fault("kill_in_save", self.step))
+                                    before_rename=lambda: _announce("checkpoint_written", self.step))
 
     def resume(self) -> Optional[Path]:
         path = ckpt.latest_checkpoint(self.train_dir) if self.cfg.resume else None
@@ -347,14 +298,14 @@ class Trainer:
         with ckpt.StopRequest() as stop:
             while self.step < self.total_steps:
                 metrics = self.train_step()
-                _fault("term", self.step)  # as if the signal arrived during step N
+                _announce("step_done", self.step)
                 stopping = self.par.any(stop.requested)
                 done = self.step == self.total_steps
                 if done or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     metrics.update(self.validate())
                 # Logged before the checkpoint: a checkpoint at step N always has step N's record behind it.
                 self.metrics.log(self.step, metrics)
-                _fault("kill", self.step)
+                _announce("step_logged", self.step)
                 if self.par.is_main and (self.step % max(cfg.log_every, 1) == 0 or done or self.step == 1):
                     log.info("step %d/%d %s", self.step, self.total_steps, _fmt(metrics))
                 if done or stopping or (cfg.save_every and self.step % cfg.save_every == 0):

@@ -10,19 +10,18 @@ import json
 import logging
 import math
 import os
-import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from .loss import simulated_tau
+from pipeline.heads.losses import simulated_tau
+from pipeline.tracking import start_wandb_run
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
-WANDB_ID_FILE = "wandb_id.txt"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,20 +127,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def init_wandb(wandb_cfg, train_dir: Path, config: dict, run_name: Optional[str]):
-    """A W&B run in `wandb_cfg.mode` (WANDB_MODE in the environment wins, so `WANDB_MODE=offline` works
-    anywhere); the run id is kept in the train dir so a resumed run continues the same W&B run."""
-    mode = os.environ.get("WANDB_MODE") or wandb_cfg.mode
-    if mode == "disabled":
-        return None
-    import wandb
-
-    id_file = Path(train_dir) / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-    id_file.write_text(run_id + "\n")
-    wandb_dir = Path(wandb_cfg.dir) if wandb_cfg.dir else Path(train_dir)
-    wandb_dir.mkdir(parents=True, exist_ok=True)
-    return wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, mode=mode, dir=str(wandb_dir),
-                      config=config, name=run_name, id=run_id, resume="allow")
+    return start_wandb_run(wandb_cfg, train_dir, config, run_name, job_type="train", resumable=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline.dist import rank_info
 
-from .config import TrainConfig
+from .config import MixedPrecision, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +28,10 @@ def resolve_mixed_precision(name: str, cuda: bool) -> str:
     fp32 elsewhere. Master weights and optimizer states stay fp32 either way."""
     from pipeline.precision import fast_bf16
 
-    if name == "auto":
+    name = MixedPrecision.parse(name, "train.mixed_precision")
+    if name == MixedPrecision.auto:
         return "bf16" if fast_bf16("cuda" if cuda else "cpu") else "no"
-    if name not in ("no", "bf16"):
-        raise ValueError(f"train.mixed_precision={name!r}: expected auto, no or bf16")
-    return name
+    return str(name)
 
 
 def _export_slurm_ranks() -> None:

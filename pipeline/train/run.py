@@ -4,7 +4,7 @@ ZeRO-2 with `train.deepspeed_config=conf/deepspeed/zero2.json`.
 
 Reads the dump (`outputs/<exp>/dump`), writes `outputs/<exp>/train/<head.name>/`:
     checkpoints/step-N/   resumable state (see checkpoint.py); rerunning the command resumes from the last
-    final/                model.safetensors + head_config.json (with d2t/t2d): load with checkpoint.load_head
+    final/                model.safetensors + head_config.json (with d2t/t2d): load with pipeline.heads.io.load_head
     metrics.jsonl         every step's metrics; curves.png at the end; manifest.json when complete
 A SIGTERM/SIGUSR1 checkpoints and exits with checkpoint.REQUEUE_EXIT_CODE (75)."""
 from __future__ import annotations
@@ -18,18 +18,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
+from pipeline.heads.config import LmHeadInit
+from pipeline.heads.io import FINAL, save_head
+from pipeline.heads.vocab import build_draft_vocab
 from pipeline.hidden_states.reader import DumpReader
 from pipeline.manifest import MANIFEST, digest_file, to_plain, write_manifest
 from pipeline.target import load_target
 
 from . import checkpoint as ckpt
 from .data import prompt_of, split_train_val, subsample, truncated_lengths
-from .heads.common import build_draft_head
-from .heads.config import DraftHeadConfig
 from .loop import TauProbe, Trainer, build_objective
 from .metrics import CURVES_FILE, MetricsLog, plot_curves
 from .parallel import Parallel
-from .vocab import build_draft_vocab
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def default_layer_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def main(cfg) -> dict:
@@ -65,9 +62,12 @@ def train(cfg, par: Parallel) -> dict:
     # Loaded in fp32 unless a dtype is forced: the head copies exact weights; autocast sets the compute precision.
     dtype = "float32" if cfg.target.dtype == "auto" else cfg.target.dtype
     target = load_target(dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype))
-    layer_ids = list(cfg.dump.layer_ids or default_layer_ids(target.num_layers))
+    fuses_layers = head_spec(hcfg.kind).features == "aux"
+    # The layers a head fuses are the ones the dump captured (its manifest); ids set in dump.layer_ids must
+    # match them (a mismatch means the dump is stale), unset ones are not recomputed here.
     reader = DumpReader(dump_dir, expect_target=target.fingerprint,
-                        expect_layer_ids=layer_ids if hcfg.kind == "eagle3" else None)
+                        expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None)
+    layer_ids = reader.layer_ids if fuses_layers else None
     lengths = truncated_lengths(reader.lengths, tcfg.max_length)
     train_idx, val_idx = split_train_val(len(reader), tcfg.val_fraction, tcfg.seed)
     train_idx = subsample(train_idx, tcfg.train_fraction, tcfg.seed)
@@ -79,8 +79,8 @@ def train(cfg, par: Parallel) -> dict:
     tau_probe = None
     if par.is_main and tcfg.tau_prompts > 0:
         prompts = [p for p in (prompt_of(reader[i]) for i in val_idx) if p is not None][:tcfg.tau_prompts]
-        tau_probe = TauProbe(target.model, prompts, tcfg.tau_max_new_tokens, cfg.eval.top_k, cfg.eval.depth,
-                             cfg.eval.total_tokens)
+        tau_probe = TauProbe(target.model, prompts, tcfg.tau_max_new_tokens, cfg.tree.top_k, cfg.tree.depth,
+                             cfg.tree.total_tokens)
     if tau_probe is None:
         target.model = None  # nothing decodes on this rank: keep only the frozen weights copied out of it
 
@@ -111,10 +111,8 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
     """The head for `cfg.head.kind`, sized from the target, with the target's frozen weights and (EAGLE-3)
     the draft vocabulary of the training split's loss-masked tokens."""
     hcfg = cfg.head
-    if hcfg.lm_head_init not in ("target", "random"):
-        raise ValueError(f"head.lm_head_init must be 'target' or 'random', got {hcfg.lm_head_init!r}")
     vocab = None
-    if hcfg.kind == "eagle3":
+    if not head_spec(hcfg.kind).full_vocab:
         vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in train_idx),
                                   target.model.config.vocab_size, hcfg.draft_vocab_size)
     config = DraftHeadConfig.from_target(
@@ -127,7 +125,7 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
     if vocab is not None:
         head.set_draft_vocab(vocab.d2t, vocab.t2d)
         info["coverage"] = vocab.coverage
-        if hcfg.lm_head_init == "target":
+        if hcfg.lm_head_init == LmHeadInit.target:
             head.init_output_from_target(target.model)
     return head.to(target.device), info
 
@@ -135,9 +133,9 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
 def finish(cfg, trainer: Trainer, head, train_dir: Path, dump_dir: Path, target, vocab_info: dict,
            final_metrics: dict, t0: float) -> None:
     """final/ head, curves.png and the manifest (main rank)."""
-    final_dir = train_dir / ckpt.FINAL
-    tmp = train_dir / f".{ckpt.FINAL}.tmp"
-    ckpt.save_head(trainer.par.unwrap(trainer.model).head, tmp)
+    final_dir = train_dir / FINAL
+    tmp = train_dir / f".{FINAL}.tmp"
+    save_head(trainer.par.unwrap(trainer.model).head, tmp)
     if final_dir.exists():
         import shutil
         shutil.rmtree(final_dir)

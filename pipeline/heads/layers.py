@@ -2,7 +2,7 @@
 projections, SwiGLU MLP, the KV cache used by the tree decoder, and the frozen-vocabulary plumbing.
 
 Attention is split into projections (`Attention.qkv`) and a pluggable kernel (`attend(q, k, v)`), so the same
-layer runs plain/cached attention at decode time and the TTT attention (pipeline/train/ttt.py) in training."""
+layer runs plain/cached attention at decode time and the TTT attention (ttt.py) in training."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -231,14 +231,3 @@ class DraftHeadMixin:
         predicted next feature; logits [B,T,V_draft])."""
         out = self.forward_hidden(hidden, input_ids, position_ids, cache, attn_mask)
         return out, self.logits(out)
-
-
-def build_draft_head(config: DraftHeadConfig) -> nn.Module:
-    """The head class for `config.kind` (imports here: the head modules import this one)."""
-    if config.kind == "eagle3":
-        from .eagle3 import Eagle3DraftHead
-
-        return Eagle3DraftHead(config)
-    from .eagle1 import Eagle1DraftHead
-
-    return Eagle1DraftHead(config)

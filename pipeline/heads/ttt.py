@@ -15,11 +15,9 @@ softmax weights, which then multiply the per-position diagonal values. Everythin
 public ops; i dummy queries in front keep the causal alignment, so `is_causal=True` still applies.
 
 RoPE positions advance by one per round (round i uses position_ids + i), as in the official trainer
-(SafeAILab/EAGLE eagle/traineagle3/cnets.py: `position_ids + lck`, lck = rounds so far) and in decoding,
-where the draft's k-th step from a root at position n runs at n + k. SpecForge followed this at first
-(specforge/modeling/draft/llama3_eagle.py, `position_ids + lck`), but its current version applies
-`position_ids` unchanged for standard RoPE (only its mRoPE path adds lck), i.e. all rounds share position t.
-We keep the official convention, which matches what the decoder (and SGLang's draft steps) do at inference.
+(SafeAILab/EAGLE eagle/traineagle3/cnets.py: `position_ids + lck`, lck = rounds so far), in SpecForge's
+(specforge/modeling/draft/llama3_eagle.py) and in decoding, where the draft's k-th step from a root at
+position n runs at n + k (as SGLang's draft steps do).
 """
 from __future__ import annotations
 
@@ -28,8 +26,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from .heads.common import repeat_kv
-from .loss import AlignedBatch, eagle3_round_loss, shift_left, target_distribution
+from .layers import repeat_kv
+from .losses import AlignedBatch, eagle3_round_loss, shift_left, target_distribution
 
 TTT_STEPS = 7
 ROUND_DECAY = 0.8

@@ -10,7 +10,7 @@ Its output is the predicted next feature (what the target's lm_head would read);
 frozen target lm_head, so the draft vocabulary is the target vocabulary (d2t = 0, t2d = all True).
 
 The official fc has a bias by default (cnets1.Model(bias=True), read back from the checkpoint's config);
-here `fc_bias` defaults to False per the project spec -- set it True to mirror official checkpoints.
+here `fc_bias` defaults to False (head.fc_bias) -- set it True to mirror official checkpoints.
 """
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .common import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
 from .config import DraftHeadConfig
+from .layers import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
+from .losses import align_batch, eagle1_loss
+from .registry import HeadSpec, register_head
 
 
 class Eagle1DecoderLayer(nn.Module):
@@ -76,3 +78,34 @@ class Eagle1DraftHead(DraftHeadMixin, nn.Module):
         """Copy the frozen embedding and lm_head from an HF causal LM."""
         self.copy_target_embeddings(target_model.get_input_embeddings().weight)
         self.lm_head.weight.copy_(target_model.get_output_embeddings().weight)
+
+
+class Eagle1Objective(nn.Module):
+    """Head + EAGLE-1 loss (feature regression + token soft-CE through the frozen target lm_head)."""
+
+    def __init__(self, head: Eagle1DraftHead, feature_weight: float, token_weight: float, noise: float):
+        super().__init__()
+        self.head = head
+        self.feature_weight, self.token_weight, self.noise = feature_weight, token_weight, noise
+
+    @classmethod
+    def from_config(cls, head, head_cfg, target_lm_head_weight: torch.Tensor) -> "Eagle1Objective":
+        # The head holds its own frozen copy of the target lm_head: the weight argument is not needed.
+        return cls(head, head_cfg.feature_loss_weight, head_cfg.token_loss_weight, head_cfg.feature_noise)
+
+    def stat_shapes(self) -> dict[str, int]:
+        return {"loss": 1, "feature_loss": 1, "token_loss": 1, "round_correct": 1, "round_total": 1}
+
+    def forward(self, input_ids, loss_mask, attention_mask, aux_hidden, final_hidden, noise_seed=None):
+        batch = align_batch(input_ids, loss_mask, final_hidden, final_hidden, attention_mask)
+        generator, noise = None, 0.0
+        if self.training and self.noise > 0:
+            noise = self.noise
+            generator = torch.Generator(final_hidden.device).manual_seed(int(noise_seed or 0))
+        out = eagle1_loss(self.head, batch, self.feature_weight, self.token_weight, noise, generator)
+        return {"loss": out["loss"], "feature_loss": out["feature_loss"], "token_loss": out["token_loss"],
+                "round_correct": out["correct"].reshape(1), "round_total": out["total"].reshape(1)}
+
+
+register_head(HeadSpec(kind="eagle1", head_class=Eagle1DraftHead, objective_class=Eagle1Objective,
+                       features="final", num_aux_layers=0, full_vocab=True, export_formats=("eagle1",)))

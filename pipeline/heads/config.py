@@ -1,15 +1,51 @@
-"""Architecture config of a draft head, with Hugging Face field names (the export writes it to config.json)."""
+"""What to train (`HeadConfig`, the Hydra `head` group) and the architecture of a built head
+(`DraftHeadConfig`, Hugging Face field names: the export writes it to config.json)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
-KINDS = ("eagle3", "eagle1")
+from pipeline.choices import Choice
+
+from .registry import head_spec
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low / mid / high features, as input-to-layer ids: the inputs of layers 2, L//2 and L-3 --
+    what SGLang and vLLM capture when a draft config names no layers (docs/design.md)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+class LmHeadInit(Choice):
+    random = "random"  # as the official EAGLE-3 trainer
+    target = "target"  # the target's lm_head rows of the draft vocabulary and its final norm
+
+
+@dataclass
+class HeadConfig:
+    kind: str = "eagle3"  # a registered kind (pipeline/heads/registry.py): eagle3 | eagle1
+    name: str = "eagle3"  # output folder name: outputs/<experiment>/train/<name>
+    draft_vocab_size: int = 32000  # heads with a draft vocabulary (eagle3); capped at the distinct tokens seen
+    ttt_steps: int = 7  # eagle3 training-time-test rounds
+    ttt_decay: float = 0.8  # weight of round i is decay**i
+    # eagle3: "random" as the official EAGLE-3 trainer; "target" starts lm_head/norm as the target's
+    # (draft-vocab rows, final norm; as speculators does for lm_head). On the SmolLM2 quality dump "target"
+    # was worse (val round-0 accuracy 0.144 against 0.203 at step 50, docs/results.md), hence the default.
+    lm_head_init: LmHeadInit = LmHeadInit.random
+    rope_theta: float = 10000.0
+    fc_bias: bool = False  # eagle1
+    feature_loss_weight: float = 1.0  # eagle1
+    token_loss_weight: float = 0.1  # eagle1
+    feature_noise: float = 0.2  # eagle1: uniform noise scale on input features
+
+    def __post_init__(self) -> None:
+        head_spec(self.kind)  # an unknown kind fails when the config is built, naming the registered ones
+        self.lm_head_init = LmHeadInit.parse(self.lm_head_init, "head.lm_head_init")
 
 
 @dataclass
 class DraftHeadConfig:
-    kind: str = "eagle3"  # eagle3 | eagle1
+    kind: str = "eagle3"  # a registered head kind
     hidden_size: int = 576
     num_attention_heads: int = 9
     num_key_value_heads: int = 3
@@ -28,8 +64,7 @@ class DraftHeadConfig:
     hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        spec = head_spec(self.kind)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim % 2:
@@ -37,10 +72,11 @@ class DraftHeadConfig:
         if self.hidden_act != "silu":
             raise ValueError("only hidden_act='silu' (SwiGLU, as in the official heads) is supported")
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        if self.kind == "eagle3" and len(self.aux_layer_ids) != 3:
-            raise ValueError(f"eagle3 fuses exactly 3 target layers, got aux_layer_ids={self.aux_layer_ids}")
-        if self.kind == "eagle1" and self.draft_vocab_size != self.vocab_size:
-            raise ValueError("eagle1 predicts over the full target vocabulary: draft_vocab_size == vocab_size")
+        if len(self.aux_layer_ids) != spec.num_aux_layers:
+            raise ValueError(f"{self.kind} fuses exactly {spec.num_aux_layers} target layers, got "
+                             f"aux_layer_ids={self.aux_layer_ids}")
+        if spec.full_vocab and self.draft_vocab_size != self.vocab_size:
+            raise ValueError(f"{self.kind} predicts over the full target vocabulary: draft_vocab_size == vocab_size")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError("draft_vocab_size cannot exceed the target vocab_size")
 
@@ -55,18 +91,19 @@ class DraftHeadConfig:
         fc_bias: bool = False,
         max_position_embeddings: Optional[int] = None,
     ) -> "DraftHeadConfig":
-        """Dimensions from the target's HF config. `aux_layer_ids=None` takes the default
-        `[2, L//2, L-3]` for eagle3 (input-to-layer ids, docs/design.md); `draft_vocab_size=None` means
-        the full target vocabulary."""
+        """Dimensions from the target's HF config. `aux_layer_ids=None` takes `default_aux_layer_ids` for a
+        head that fuses target layers; `draft_vocab_size=None` means the full target vocabulary."""
         t = target_hf_config
         heads = t.num_attention_heads
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
         vocab = t.vocab_size
-        if kind == "eagle1":
-            draft_vocab_size, aux_layer_ids = vocab, []
+        spec = head_spec(kind)
+        if spec.full_vocab:
+            draft_vocab_size = vocab
+        if spec.num_aux_layers == 0:
+            aux_layer_ids = []
         elif aux_layer_ids is None:
-            n = t.num_hidden_layers
-            aux_layer_ids = [2, n // 2, n - 3]
+            aux_layer_ids = default_aux_layer_ids(t.num_hidden_layers)
         return cls(
             kind=kind,
             hidden_size=t.hidden_size,

@@ -2,6 +2,7 @@
 eagle/traineagle3/cnets.py) so the exported weights load into SGLang/vLLM's LlamaForCausalLMEagle3:
 
     fc                 Linear(3*H_target -> H, no bias) on the fused (low, mid, high) target states
+                       (aux_layer_ids, input-to-layer ids; default `default_aux_layer_ids`)
     midlayer           one decoder layer whose attention reads cat(input_layernorm(emb), hidden_norm(hidden))
     norm, lm_head      final RMSNorm and Linear(H -> draft vocab)
     embed_tokens       frozen copy of the target embedding
@@ -17,8 +18,11 @@ from torch import nn
 
 from pipeline.target import LLAMA_LIKE_MODEL_TYPES
 
-from .common import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
 from .config import DraftHeadConfig
+from .layers import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
+from .losses import align_batch
+from .registry import HeadSpec, register_head
+from .ttt import eagle3_ttt_loss
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -102,3 +106,32 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
         # Only a Llama-convention RMSNorm (weight * x_hat) means the same thing in this head's RMSNorm.
         if target_model.config.model_type in LLAMA_LIKE_MODEL_TYPES and final_norm is not None:
             self.norm.weight.copy_(final_norm.weight)
+
+
+class Eagle3Objective(nn.Module):
+    """Head + TTT loss (ttt.py). The frozen target lm_head is a non-persistent buffer: it gives the soft
+    targets (the dump holds final hidden states, not logits) and is never trained or saved."""
+
+    def __init__(self, head: Eagle3DraftHead, target_lm_head_weight: torch.Tensor, ttt_steps: int, ttt_decay: float):
+        super().__init__()
+        self.head = head
+        self.register_buffer("target_lm_head", target_lm_head_weight.detach(), persistent=False)
+        self.ttt_steps, self.decay = ttt_steps, ttt_decay
+
+    @classmethod
+    def from_config(cls, head, head_cfg, target_lm_head_weight: torch.Tensor) -> "Eagle3Objective":
+        return cls(head, target_lm_head_weight, head_cfg.ttt_steps, head_cfg.ttt_decay)
+
+    def stat_shapes(self) -> dict[str, int]:
+        return {"loss": 1, "round_loss": self.ttt_steps, "round_correct": self.ttt_steps,
+                "round_total": self.ttt_steps}
+
+    def forward(self, input_ids, loss_mask, attention_mask, aux_hidden, final_hidden, noise_seed=None):
+        batch = align_batch(input_ids, loss_mask, aux_hidden, final_hidden, attention_mask)
+        out = eagle3_ttt_loss(self.head, batch, self.target_lm_head, self.ttt_steps, self.decay)
+        return {"loss": out["loss"], "round_loss": out["round_loss"], "round_correct": out["round_correct"],
+                "round_total": out["round_total"]}
+
+
+register_head(HeadSpec(kind="eagle3", head_class=Eagle3DraftHead, objective_class=Eagle3Objective,
+                       features="aux", num_aux_layers=3, full_vocab=False, export_formats=("sglang", "vllm")))

@@ -1,0 +1,232 @@
+"""What every export format shares, and the registry of formats.
+
+A format is one class (an adapter in the spirit of torchtitan's state-dict adapters) that knows its serving
+framework's loader: tensor names both ways, the exact tensor set, config.json written and read back (with the
+aux layers in the framework's numbering), the checks on a written config, what the framework takes from the
+target instead of the file, and the command line that serves it. `exporter.py` only calls these methods.
+eaglet's own layer ids are input-to-layer indices (docs/design.md); every rule comes from the loader code
+named in docs/export.md."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipeline.heads.config import DraftHeadConfig
+
+# config.json spelling of a dtype, and safetensors' header spelling of each tensor dtype eaglet writes.
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32"}
+INDEX_DTYPES = {"d2t": "I64", "t2d": "BOOL"}
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    from pipeline.precision import ALIASES, DTYPES
+
+    dtype = DTYPES.get(ALIASES.get(str(name), str(name)))
+    if dtype not in DTYPE_NAMES:
+        raise ExportError(f"export.dtype={name!r}: choose bfloat16 or float32")
+    return dtype
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """What an export needs beyond the head: the target's depth, how the serving side names it, the settings
+    of the serving commands."""
+    num_target_layers: int
+    verifier: Optional[str] = None  # the target as the serving machine names it (hub id or path)
+    verifier_architectures: Sequence[str] = ()
+    speculative_tokens: int = 3
+    sglang_aux_convention: str = "output"
+    tree: tuple[int, int, int] = (10, 6, 60)  # top_k, depth, total_tokens of the serving commands
+
+
+# ---------------------------------------------------------------------------------------------------------
+# auxiliary layers (eaglet numbering)
+
+
+def check_aux_layers(layer_ids: Sequence[int], num_layers: int) -> None:
+    """Servable aux layers: three distinct inputs of real decoder layers. Both frameworks capture the residual
+    stream *entering* a layer, once per layer, so an id of num_layers (past the last layer) or a repeated id
+    would give the head fewer or other states than it was trained on."""
+    ids = list(layer_ids)
+    if len(ids) != 3 or len(set(ids)) != 3:
+        raise ExportError(f"aux layers {ids}: EAGLE-3 serving needs 3 distinct target layers")
+    if not all(0 <= i < num_layers for i in ids):
+        raise ExportError(f"aux layers {ids}: ids must be decoder-layer inputs 0..{num_layers - 1} "
+                          f"(the target has {num_layers} layers)")
+
+
+def aux_order(layer_ids: Sequence[int]) -> list[int]:
+    """Permutation sorting the aux ids: frameworks hand the head its states in ascending layer order, so a
+    head trained on another order is exported with its fc column blocks permuted to match."""
+    return sorted(range(len(layer_ids)), key=lambda k: layer_ids[k])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pieces of the formats
+
+
+def llama_fields(c: DraftHeadConfig) -> dict[str, Any]:
+    """The one-layer Llama description every loader builds the draft layer from. RoPE is written both the
+    transformers-4 way (rope_theta, rope_scaling) and the transformers-5 way (rope_parameters), with the theta
+    the head was trained with (not the target's). No `bias` key: vLLM's Llama layers read it as attention bias."""
+    return {
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def llama_config_fields(t: dict) -> dict[str, Any]:
+    """DraftHeadConfig fields from the one-layer Llama description (the inverse of `llama_fields`)."""
+    return dict(hidden_size=t["hidden_size"], num_attention_heads=t["num_attention_heads"],
+                num_key_value_heads=t["num_key_value_heads"],
+                head_dim=t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+                intermediate_size=t["intermediate_size"], rms_norm_eps=t["rms_norm_eps"],
+                rope_theta=float((t.get("rope_parameters") or {}).get("rope_theta", t.get("rope_theta", 10000.0))),
+                max_position_embeddings=t["max_position_embeddings"], vocab_size=t["vocab_size"],
+                hidden_act=t.get("hidden_act", "silu"))
+
+
+def llama_problems(t: Any) -> list[str]:
+    """Checks of the one-layer Llama description every format carries."""
+    if not isinstance(t, dict):
+        return ["transformer_layer_config missing"]
+    rules = [(t.get("model_type") == "llama", "model_type must be llama"),
+             (t.get("num_hidden_layers") == 1, "num_hidden_layers must be 1"),
+             (t.get("tie_word_embeddings") is False, "tie_word_embeddings must be false (SGLang would tie lm_head)"),
+             (not t.get("bias") and not t.get("attention_bias"), "no bias/attention_bias (the heads have none)")]
+    return [what for ok, what in rules if not ok]
+
+
+def decoder_layer_tensors(prefix: str, c: DraftHeadConfig, attn_in: int, norms: Sequence[str]
+                          ) -> dict[str, tuple[int, ...]]:
+    h, inter = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    t = {f"{prefix}self_attn.q_proj.weight": (q, attn_in), f"{prefix}self_attn.k_proj.weight": (kv, attn_in),
+         f"{prefix}self_attn.v_proj.weight": (kv, attn_in), f"{prefix}self_attn.o_proj.weight": (h, q),
+         f"{prefix}mlp.gate_proj.weight": (inter, h), f"{prefix}mlp.up_proj.weight": (inter, h),
+         f"{prefix}mlp.down_proj.weight": (h, inter)}
+    t.update({f"{prefix}{norm}.weight": (h,) for norm in norms})
+    return t
+
+
+def vllm_command(verifier: str, path: str, method: str, speculative_tokens: int) -> str:
+    import json
+    import shlex
+
+    spec = {"model": path, "method": method, "num_speculative_tokens": speculative_tokens}
+    return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the format interface
+
+
+class ExportFormat:
+    name: str  # export.format
+    kind: str  # the head kind it holds
+    architecture: str  # config.json architectures[0]
+    # Head tensors the serving framework takes from the target (never stored; filled from it at load-back).
+    from_target: frozenset = frozenset()
+
+    # -- tensors -------------------------------------------------------------------------------------------
+    def to_format(self, head_name: str) -> Optional[str]:
+        """eaglet head state_dict name -> this format's name (None: not stored)."""
+        return None if head_name in self.from_target else head_name
+
+    def from_format(self, name: str) -> str:
+        """Inverse of to_format."""
+        return name
+
+    def expected_tensors(self, c: DraftHeadConfig) -> dict[str, tuple[int, ...]]:
+        """The exact tensor set: name -> shape. Anything else in the file is an error (loaders skip unknown
+        names silently, and a missing one stays at its random initialization)."""
+        raise NotImplementedError
+
+    def fill_from_target(self, head: nn.Module, model: nn.Module) -> None:
+        """Copy into a loaded-back head what the format leaves to the serving framework."""
+
+    # -- config.json ---------------------------------------------------------------------------------------
+    def write_config(self, c: DraftHeadConfig, dtype: torch.dtype, ctx: ExportContext) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def detects(self, cfg: dict) -> bool:
+        """Whether a config.json is this format's."""
+        return (cfg.get("architectures") or [None])[0] == self.architecture
+
+    def layer_fields(self, cfg: dict) -> dict:
+        """Where the one-layer Llama description lives in the config."""
+        return cfg
+
+    def read_config(self, cfg: dict, num_target_layers: int, fc_bias: bool = False,
+                    sglang_convention: str = "output") -> DraftHeadConfig:
+        """The DraftHeadConfig an export was written from (aux ids back in eaglet numbering)."""
+        raise NotImplementedError
+
+    def config_problems(self, cfg: dict) -> list[str]:
+        """Fields the loaders read, checked on a written config.json (empty list: fine)."""
+        return llama_problems(self.layer_fields(cfg))
+
+    # -- serving -------------------------------------------------------------------------------------------
+    def serve_commands(self, path: str, layer_ids: Sequence[int], ctx: ExportContext) -> list[str]:
+        """One line per framework: the command that serves this export, or what to do instead."""
+        raise NotImplementedError
+
+    def warn(self, layer_ids: Sequence[int], ctx: ExportContext) -> None:
+        """Log what the user must know about serving this export (nothing by default)."""
+
+
+FORMATS: dict[str, ExportFormat] = {}
+
+
+def register_format(fmt: ExportFormat) -> ExportFormat:
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def export_format(name: str) -> ExportFormat:
+    try:
+        return FORMATS[str(name)]
+    except KeyError:
+        raise ExportError(f"export.format={name!r}: choose one of {', '.join(FORMATS)}") from None
+
+
+def format_for_head(name: Optional[str], kind: str) -> ExportFormat:
+    """export.format for a head of `kind` (None: the kind's first format, pipeline/heads/registry.py)."""
+    from pipeline.heads import head_spec
+
+    allowed = head_spec(kind).export_formats
+    fmt = export_format(name or allowed[0])
+    if fmt.name not in allowed:
+        raise ExportError(f"export.format={fmt.name} holds {fmt.kind} heads, but this head is {kind}: "
+                          f"use {' or '.join(allowed)}")
+    return fmt
+
+
+def detect_format(cfg: dict) -> ExportFormat:
+    for fmt in FORMATS.values():
+        if fmt.detects(cfg):
+            return fmt
+    raise ExportError(f"not an eaglet export format: architectures={cfg.get('architectures')}")

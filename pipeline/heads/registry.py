@@ -1,0 +1,67 @@
+"""The head kinds eaglet knows. A kind is one file in this package (the head module and its training
+objective) ending in one `register_head(HeadSpec(...))`; everything else (train, eval's drafter, export)
+asks the registry instead of testing the kind's name.
+
+    # pipeline/heads/my_head.py
+    class MyDraftHead(DraftHeadMixin, nn.Module): ...
+    class MyObjective(nn.Module): ...
+    register_head(HeadSpec(kind="my_head", head_class=MyDraftHead, objective_class=MyObjective,
+                           features="final", num_aux_layers=0, full_vocab=True, export_formats=("eagle1",)))
+
+and one import line in pipeline/heads/__init__.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .config import DraftHeadConfig
+
+# What a head reads from the target: "aux" = the dump's fused (low, mid, high) layer inputs,
+# "final" = the target's final hidden state (the last layer's normed output).
+FEATURES = ("aux", "final")
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    kind: str
+    head_class: type  # nn.Module subclass taking a DraftHeadConfig
+    # Head + its loss as one module (`from_config(head, head_cfg, target_lm_head_weight)`); the train loop
+    # and the parallel wrapper see a plain forward.
+    objective_class: type
+    features: str
+    num_aux_layers: int  # target layers the head fuses (0 when it reads the final state)
+    full_vocab: bool  # predicts over the target vocabulary (no draft vocabulary of its own)
+    export_formats: tuple[str, ...]  # pipeline/export/formats.py names; the first is the default
+
+    def __post_init__(self) -> None:
+        if self.features not in FEATURES:
+            raise ValueError(f"HeadSpec {self.kind}: features must be one of {FEATURES}, got {self.features!r}")
+        if (self.features == "aux") != (self.num_aux_layers > 0):
+            raise ValueError(f"HeadSpec {self.kind}: features='aux' exactly when num_aux_layers > 0")
+        if not self.export_formats:
+            raise ValueError(f"HeadSpec {self.kind}: name at least one export format")
+
+
+HEADS: dict[str, HeadSpec] = {}
+
+
+def register_head(spec: HeadSpec) -> HeadSpec:
+    if spec.kind in HEADS and HEADS[spec.kind] != spec:
+        raise ValueError(f"head kind {spec.kind!r} is registered twice")
+    HEADS[spec.kind] = spec
+    return spec
+
+
+def head_spec(kind: str) -> HeadSpec:
+    try:
+        return HEADS[kind]
+    except KeyError:
+        raise ValueError(f"unknown head kind {kind!r}: registered kinds are {sorted(HEADS)}") from None
+
+
+def build_draft_head(config: "DraftHeadConfig") -> "nn.Module":
+    """A fresh head of `config.kind` (weights random; frozen target copies and vocabulary set by the caller)."""
+    return head_spec(config.kind).head_class(config)

@@ -1,0 +1,28 @@
+"""`python tests/faulty_run.py <event>:<step>:<SIGNAL> <hydra overrides...>`: `python -m pipeline.run` with a
+trainer hook (pipeline/train/loop.py TRAINER_HOOKS) that sends this process SIGNAL when the trainer announces
+<event> at <step>, so an interruption lands at a chosen point. Events: step_done (during step N, before its
+metrics are logged), step_logged (after step N is logged), checkpoint_written (inside step N's checkpoint
+write, before the rename)."""
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.train import loop  # noqa: E402
+
+EVENT, STEP, SIGNAL = sys.argv.pop(1).split(":")
+
+
+def fault(event: str, step: int) -> None:
+    if event == EVENT and step == int(STEP):
+        os.kill(os.getpid(), getattr(signal, SIGNAL))
+
+
+loop.TRAINER_HOOKS.append(fault)
+
+# As `python -m pipeline.run` (Hydra finds conf/ from the entry module's file); the hook stays installed, the
+# trainer module being shared through sys.modules.
+runpy.run_module("pipeline.run", run_name="__main__", alter_sys=True)
