@@ -112,7 +112,13 @@ def split_dir(src: Path, out: Path, part_bytes: int = PART_BYTES) -> dict:
 def join_dir(parts: Path, dest: Path) -> Path:
     tar = join_parts(parts, dest)
     with tarfile.open(tar) as t:
-        t.extractall(dest, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            t.extractall(dest, filter="data")
+        else:  # Python before 3.11.4 / 3.12 (Debian 12's 3.11.2): the same refusals, by hand
+            for m in t.getmembers():
+                if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts:
+                    raise ValueError(f"{tar}: refusing to extract {m.name!r}")
+            t.extractall(dest)
         top = t.getnames()[0].split("/")[0]
     tar.unlink()
     return dest / top
