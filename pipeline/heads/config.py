@@ -19,6 +19,9 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 class LmHeadInit(Choice):
     random = "random"  # as the official EAGLE-3 trainer
     target = "target"  # the target's lm_head rows of the draft vocabulary and its final norm
+    # The target's lm_head rows, the norm left at 1: copying the target's final norm too (mean weight 1.8 on
+    # SmolLM2) scales a still-random out_hidden's logits up, which is what made "target" learn slowly.
+    target_rows = "target_rows"
 
 
 @dataclass
@@ -29,8 +32,9 @@ class HeadConfig:
     ttt_steps: int = 7  # eagle3 training-time-test rounds
     ttt_decay: float = 0.8  # weight of round i is decay**i
     # eagle3: "random" as the official EAGLE-3 trainer; "target" starts lm_head/norm as the target's
-    # (draft-vocab rows, final norm; as speculators does for lm_head). On the SmolLM2 quality dump "target"
-    # was worse (val round-0 accuracy 0.144 against 0.203 at step 50, docs/results.md), hence the default.
+    # (draft-vocab rows, final norm; as speculators does for lm_head), "target_rows" the lm_head rows only.
+    # On the SmolLM2 quality dump "target" was worse (val round-0 accuracy 0.144 against 0.203 at step 50,
+    # docs/results.md), hence the default.
     lm_head_init: LmHeadInit = LmHeadInit.random
     rope_theta: float = 10000.0
     fc_bias: bool = False  # eagle1

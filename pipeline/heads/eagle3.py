@@ -90,13 +90,14 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
         self.copy_target_embeddings(target_model.get_input_embeddings().weight)
 
     @torch.no_grad()
-    def init_output_from_target(self, target_model: nn.Module) -> None:
+    def init_output_from_target(self, target_model: nn.Module, copy_norm: bool = True) -> None:
         """Start the (trainable) output path as the target's: lm_head = the target lm_head rows of the draft
         vocabulary (as vllm-project/speculators initializes it), norm = the target's final RMSNorm. Call
         after `set_draft_vocab`. The idea: training then only has to bring out_hidden near the target's last
         pre-norm state, as EAGLE-1 gets the target's lm_head for free. Measured on SmolLM2 it learned slower
         than a random lm_head (the target-scale logits of a still-random out_hidden give huge early
-        gradients), so it is opt-in: head.lm_head_init=target."""
+        gradients), so it is opt-in: head.lm_head_init=target; `copy_norm=False` (head.lm_head_init=target_rows)
+        copies the lm_head rows only and leaves the norm at 1."""
         weight = target_model.get_output_embeddings().weight  # [V, H_target]
         if weight.shape[1] != self.lm_head.in_features:
             raise ValueError(f"target lm_head width {weight.shape[1]} != draft hidden {self.lm_head.in_features}")
@@ -104,7 +105,7 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
         self.lm_head.weight.copy_(weight[ids.to(weight.device)])  # [V_draft, H]
         final_norm = getattr(target_model.base_model, "norm", None)
         # Only a Llama-convention RMSNorm (weight * x_hat) means the same thing in this head's RMSNorm.
-        if target_model.config.model_type in LLAMA_LIKE_MODEL_TYPES and final_norm is not None:
+        if copy_norm and target_model.config.model_type in LLAMA_LIKE_MODEL_TYPES and final_norm is not None:
             self.norm.weight.copy_(final_norm.weight)
 
 

@@ -125,8 +125,8 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
     if vocab is not None:
         head.set_draft_vocab(vocab.d2t, vocab.t2d)
         info["coverage"] = vocab.coverage
-        if hcfg.lm_head_init == LmHeadInit.target:
-            head.init_output_from_target(target.model)
+        if hcfg.lm_head_init != LmHeadInit.random:
+            head.init_output_from_target(target.model, copy_norm=hcfg.lm_head_init == LmHeadInit.target)
     return head.to(target.device), info
 
 
