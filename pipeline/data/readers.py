@@ -447,14 +447,14 @@ class PromptFilter:
 
     def check(self, conv: dict) -> Optional[tuple[str, str]]:
         _, turns = prompt_turns(conv)
-        for turn in turns:
-            if prompt_key(turn) in self.held_out:
+        keys = [prompt_key(t) for t in turns]
+        for turn, key in zip(turns, keys):
+            if key in self.held_out:
                 return "held_out_prompt", _excerpt(turn)
-        first = prompt_key(turns[0]) if turns else None
-        if self.dedupe and first is not None:
-            if first in self.seen:
+        if self.dedupe and keys:
+            if keys[0] in self.seen:
                 return "duplicate_prompt", _excerpt(turns[0])
-            self.seen.add(first)
+            self.seen.add(keys[0])
         return None
 
 
@@ -476,7 +476,7 @@ def read_sources(cfg: DataConfig, report: BadRecordReport) -> Iterator[dict]:
     sources = [SourceConfig.of(s) for s in cfg.sources] or [SourceConfig(path=str(DEMO_PROMPTS))]
     prompts = None
     if cfg.dedupe_prompts or cfg.held_out:
-        prompts = PromptFilter(cfg.dedupe_prompts, held_out_prompts(SourceConfig.of(s) for s in cfg.held_out))
+        prompts = PromptFilter(cfg.dedupe_prompts, held_out_prompts(cfg.held_out))
     seen: set = set()
     for src in sources:
         yield from read_source(src, report, cfg.on_bad_record, seen_ids=seen, prompts=prompts)

@@ -51,7 +51,7 @@ class EagleDrafter:
         self.head = head.eval()
         c = head.config
         # EAGLE-3 fuses the residual stream entering the aux layers; EAGLE-1 reads the final feature.
-        self.feature_layers = tuple(c.aux_layer_ids) if head_spec(c.kind).features == "aux" else (-1,)
+        self.feature_layers = tuple(c.aux_layer_ids) if head_spec(c.kind).fuses_target_layers else (-1,)
         self.param = next(head.parameters())
         # Draft-vocabulary id -> target id, or None when the vocabularies coincide.
         ids = torch.arange(c.draft_vocab_size, device=self.param.device)

@@ -67,7 +67,7 @@ def export_head(
     ctx = ExportContext(num_target_layers, verifier, tuple(verifier_architectures), speculative_tokens,
                         str(sglang_aux_convention), tuple(tree))
     state = export_state(head, form, dtype)
-    if head_spec(config.kind).features == "aux":
+    if head_spec(config.kind).fuses_target_layers:
         check_aux_layers(config.aux_layer_ids, num_target_layers)
         config = dataclasses.replace(config, aux_layer_ids=sorted(config.aux_layer_ids))
     return _write_atomically(Path(out_dir), form.write_config(config, dtype, ctx), state)

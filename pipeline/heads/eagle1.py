@@ -108,4 +108,4 @@ class Eagle1Objective(nn.Module):
 
 
 register_head(HeadSpec(kind="eagle1", head_class=Eagle1DraftHead, objective_class=Eagle1Objective,
-                       features="final", num_aux_layers=0, full_vocab=True, export_formats=("eagle1",)))
+                       num_aux_layers=0, full_vocab=True, export_formats=("eagle1",)))

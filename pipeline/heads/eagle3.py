@@ -135,4 +135,4 @@ class Eagle3Objective(nn.Module):
 
 
 register_head(HeadSpec(kind="eagle3", head_class=Eagle3DraftHead, objective_class=Eagle3Objective,
-                       features="aux", num_aux_layers=3, full_vocab=False, export_formats=("sglang", "vllm")))
+                       num_aux_layers=3, full_vocab=False, export_formats=("sglang", "vllm")))

@@ -6,7 +6,7 @@ asks the registry instead of testing the kind's name.
     class MyDraftHead(DraftHeadMixin, nn.Module): ...
     class MyObjective(nn.Module): ...
     register_head(HeadSpec(kind="my_head", head_class=MyDraftHead, objective_class=MyObjective,
-                           features="final", num_aux_layers=0, full_vocab=True, export_formats=("eagle1",)))
+                           num_aux_layers=0, full_vocab=True, export_formats=("eagle1",)))
 
 and one import line in pipeline/heads/__init__.py."""
 from __future__ import annotations
@@ -19,10 +19,6 @@ if TYPE_CHECKING:
 
     from .config import DraftHeadConfig
 
-# What a head reads from the target: "aux" = the dump's fused (low, mid, high) layer inputs,
-# "final" = the target's final hidden state (the last layer's normed output).
-FEATURES = ("aux", "final")
-
 
 @dataclass(frozen=True)
 class HeadSpec:
@@ -31,18 +27,19 @@ class HeadSpec:
     # Head + its loss as one module (`from_config(head, head_cfg, target_lm_head_weight)`); the train loop
     # and the parallel wrapper see a plain forward.
     objective_class: type
-    features: str
-    num_aux_layers: int  # target layers the head fuses (0 when it reads the final state)
+    # Target layers the head fuses (the dump's aux states); 0: it reads the target's final hidden state.
+    num_aux_layers: int
     full_vocab: bool  # predicts over the target vocabulary (no draft vocabulary of its own)
-    export_formats: tuple[str, ...]  # pipeline/export/formats.py names; the first is the default
+    export_formats: tuple[str, ...]  # pipeline/export/formats/ names; the first is the default
 
     def __post_init__(self) -> None:
-        if self.features not in FEATURES:
-            raise ValueError(f"HeadSpec {self.kind}: features must be one of {FEATURES}, got {self.features!r}")
-        if (self.features == "aux") != (self.num_aux_layers > 0):
-            raise ValueError(f"HeadSpec {self.kind}: features='aux' exactly when num_aux_layers > 0")
         if not self.export_formats:
             raise ValueError(f"HeadSpec {self.kind}: name at least one export format")
+
+    @property
+    def fuses_target_layers(self) -> bool:
+        """Reads the dump's fused aux states (else the target's final hidden state)."""
+        return self.num_aux_layers > 0
 
 
 HEADS: dict[str, HeadSpec] = {}

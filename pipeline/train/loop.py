@@ -38,7 +38,7 @@ def build_objective(head: nn.Module, head_cfg: HeadConfig, target_lm_head_weight
 
 def reads_aux(objective: nn.Module) -> bool:
     """The objective's head reads the dump's fused aux states (else the final hidden states)."""
-    return head_spec(objective.head.config.kind).features == "aux"
+    return head_spec(objective.head.config.kind).fuses_target_layers
 
 
 def noise_seed(seed: int, epoch: int, position: int) -> int:

@@ -62,7 +62,7 @@ def train(cfg, par: Parallel) -> dict:
     # Loaded in fp32 unless a dtype is forced: the head copies exact weights; autocast sets the compute precision.
     dtype = "float32" if cfg.target.dtype == "auto" else cfg.target.dtype
     target = load_target(dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype))
-    fuses_layers = head_spec(hcfg.kind).features == "aux"
+    fuses_layers = head_spec(hcfg.kind).fuses_target_layers
     # The layers a head fuses are the ones the dump captured (its manifest); ids set in dump.layer_ids must
     # match them (a mismatch means the dump is stale), unset ones are not recomputed here.
     reader = DumpReader(dump_dir, expect_target=target.fingerprint,
