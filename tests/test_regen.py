@@ -200,6 +200,38 @@ def test_per_conversation_schedule_asks_next_turns_without_waiting_and_equals_wa
     assert streamed.stats["tokens"] == waves.stats["tokens"] and streamed.stats["turns"] == 6
 
 
+def test_a_batch_killed_midway_resumes_from_its_journal_asking_only_unfinished_conversations(tmp_path,
+                                                                                             tiny_target):
+    """The per-conversation schedule journals each finished conversation: after an interruption (here the
+    third conversation's request raises; a kill -9 may also cut the journal's last line), a rerun asks only
+    the conversations the journal lacks, and the batch equals an uninterrupted one."""
+    items = [RegenItem("long", None, ("a1", "a2", "a3")), RegenItem("mid", None, ("c1", "c2")),
+             RegenItem("slow", None, ("b1",))]
+    whole = regen_batch(HFBackend(tiny_target, max_new_tokens=8), items, seed=0)
+    out = RegenDir(tmp_path)
+
+    def interrupt(key):
+        if key == ("b1", 0):
+            raise RuntimeError("killed")
+
+    # concurrency 1: longest first, so long and mid finish before slow is asked
+    first = OneAtATime(HFBackend(tiny_target, max_new_tokens=8), concurrency=1, hold=interrupt)
+    with pytest.raises(RuntimeError, match="killed"):
+        regen_batch(first, items, seed=0, journal=out.journal(0, [i.id for i in items]))
+    with open(out.journal_path(0), "a") as f:
+        f.write('{"id": "slow", "elapsed_s": 1.0, "answ')  # the cut last line of a kill
+    again = OneAtATime(HFBackend(tiny_target, max_new_tokens=8), concurrency=2)
+    resumed = regen_batch(again, items, seed=0, journal=out.journal(0, [i.id for i in items]))
+    assert [key for kind, key in again.events if kind == "ask"] == [("b1", 0)]
+    assert resumed.records == whole.records and resumed.stats["tokens"] == whole.stats["tokens"]
+    out.save_batch(0, resumed)
+    assert not out.journal_path(0).exists()  # the batch file holds every conversation now
+
+    out.journal_path(0).write_text('{"id": "stranger", "elapsed_s": 1.0, "answers": []}\n')
+    with pytest.raises(RegenStateError, match="stranger.*not in this batch"):
+        out.journal(0, [i.id for i in items]).load()
+
+
 def test_stop_tokens_and_degenerate_flags(tiny_target):
     tok = tiny_target.tokenizer
     assert tok.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(tok, tiny_target.model)

@@ -241,7 +241,9 @@ def run_rank(out: RegenDir, plan: Plan, items: list[RegenItem], backend, rcfg: R
             for b in plan.shard_batches(s):
                 result = out.load_batch(b)
                 if result is None:
-                    result = regen_batch(backend, [items[i] for i in plan.batches[b]], rcfg.seed, rcfg.on_degenerate)
+                    batch = [items[i] for i in plan.batches[b]]
+                    result = regen_batch(backend, batch, rcfg.seed, rcfg.on_degenerate,
+                                         out.journal(b, [item.id for item in batch]))
                     out.save_batch(b, result)
                     fresh.append(result.stats)
                     done = sum_stats(fresh)

@@ -6,20 +6,25 @@
       errors/shard-00000.jsonl      requests that failed for good: {id, turn, reason, detail, attempts}
       state/run.json                what this directory is a run of (plan digest, generation, target)
       state/batches/batch-000000.json   finished batches of a shard not yet complete
+      state/journal/batch-000000.jsonl  finished conversations of a batch not yet finished (server schedule)
       state/done/shard-00000.json   shard done-marker: its counts, sha256, the rank that wrote it
 
 Every file is written to a `*.tmp` name and renamed into place, so a `kill -9` at any moment leaves either the
 whole file or none (a temporary name never matches `*.json*`, so readers never see it). A shard is complete
 when its done-marker exists; the marker is written after the shard and its error file, and batch files are
 deleted only after it. A rerun therefore finds each batch either inside a complete shard, or as a batch file,
-or not at all (then it is generated again), and writes each conversation exactly once.
+or not at all (then it is generated again), and writes each conversation exactly once. Inside an unfinished
+batch, the journal keeps each finished conversation as one appended line (a kill can cut only the last
+line, which is then ignored): a rerun asks only the conversations it lacks.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import shutil
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,7 +32,7 @@ from typing import Optional
 
 from pipeline.data.config import SourceConfig
 from pipeline.manifest import atomic_write_text
-from pipeline.regen.waves import BatchResult
+from pipeline.regen.waves import Answer, BatchResult
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,9 @@ class RegenDir:
 
     def batch_path(self, batch: int) -> Path:
         return self.state / "batches" / f"batch-{batch:06d}.json"
+
+    def journal_path(self, batch: int) -> Path:
+        return self.state / "journal" / f"batch-{batch:06d}.jsonl"
 
     @property
     def run_path(self) -> Path:
@@ -106,10 +114,15 @@ class RegenDir:
 
     def save_batch(self, batch: int, result: BatchResult) -> None:
         atomic_write_text(self.batch_path(batch), json.dumps(result.to_dict(), ensure_ascii=False))
+        self.journal_path(batch).unlink(missing_ok=True)  # the batch file now holds every conversation
+
+    def journal(self, batch: int, ids: list[str]) -> "ConversationJournal":
+        return ConversationJournal(self.journal_path(batch), ids)
 
     def drop_batches(self, batches) -> None:
         for b in batches:
             self.batch_path(b).unlink(missing_ok=True)
+            self.journal_path(b).unlink(missing_ok=True)
 
     def finish_shard(self, shard: int, batches: range, results: list[BatchResult], rank: int) -> dict:
         records = [r for res in results for r in res.records]
@@ -151,6 +164,52 @@ class RegenDir:
                     f"{', '.join(map(str, missing[:5]))}): a rank died or is slow. Rerun regen (any number of "
                     f"ranks, e.g. one) to generate what is missing and write the manifest")
             time.sleep(poll_s)
+
+
+class ConversationJournal:
+    """Finished conversations of one batch, one JSON line each, appended and fsynced as they finish
+    (`waves.Journal`). The run's identity (plan digest) fixes which conversations a batch holds; a line
+    naming another conversation means the directory was tampered with, and stops the run."""
+
+    def __init__(self, path: Path, ids: list[str]):
+        self.path, self.ids = Path(path), set(ids)
+        self.lock = threading.Lock()
+
+    def load(self) -> tuple[dict[str, list[Answer]], float]:
+        if not self.path.exists():
+            return {}, 0.0
+        finished, spent = {}, 0.0
+        lines = self.path.read_text(encoding="utf-8").split("\n")
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                if n >= len(lines) - 1:  # the last line, cut by a kill: that conversation is asked again
+                    log.info("%s:%d: incomplete last line (a killed run), ignored", self.path, n)
+                    continue
+                raise RegenStateError(f"{self.path}:{n}: not a JSON line; remove the file to regenerate "
+                                      f"this batch from scratch") from None
+            if entry["id"] not in self.ids:
+                raise RegenStateError(f"{self.path}:{n}: conversation {entry['id']!r} is not in this batch; "
+                                      f"remove the file to regenerate the batch from scratch")
+            finished[entry["id"]] = [Answer(**a) for a in entry["answers"]]
+            spent = max(spent, entry["elapsed_s"])
+        if finished:
+            log.info("%s: resuming a batch with %d of %d conversations finished", self.path, len(finished),
+                     len(self.ids))
+        return finished, spent
+
+    def record(self, conversation_id: str, answers: list[Answer], elapsed_s: float) -> None:
+        line = json.dumps({"id": conversation_id, "elapsed_s": elapsed_s,
+                           "answers": [vars(a) for a in answers]}, ensure_ascii=False) + "\n"
+        with self.lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
 
 
 def sum_stats(stats: list[dict]) -> dict:

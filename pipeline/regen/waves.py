@@ -8,6 +8,10 @@ Turn k of a conversation needs the target's answer to turn k-1. Two schedules:
   previous answer returns, so the server's slots never wait for a wave's slowest answer.
 A conversation whose request fails stops there and is reported; the rest of the batch goes on. Both
 schedules send the same requests (same history, same per-turn seed) and give the same records.
+
+The per-conversation schedule also journals each finished conversation (`Journal`): a batch of hundreds of
+conversations takes an hour or more on a CPU server, and a killed run resumes it with only the unfinished
+conversations. Waves are not journaled: a wave schedule's batch is the size of one model batch.
 """
 from __future__ import annotations
 
@@ -40,6 +44,14 @@ class Failure:
 class Request:
     messages: list[dict]  # the conversation so far, ending with the user turn to answer
     seed: int  # per (conversation, turn): sampling does not depend on batch-mates where the backend allows
+
+
+class Journal(Protocol):
+    """Finished conversations of one batch, kept across a kill (RegenDir.journal)."""
+
+    def load(self) -> tuple[dict[str, list[Answer]], float]: ...  # answers by conversation id, seconds spent
+
+    def record(self, conversation_id: str, answers: list[Answer], elapsed_s: float) -> None: ...
 
 
 class Backend(Protocol):
@@ -117,8 +129,8 @@ class Stopped(Exception):
     """A conversation noticed that the batch was given up (another failed, or the run was interrupted)."""
 
 
-def _conversation(backend: Backend, item: RegenItem, seed: int, stop: threading.Event
-                  ) -> tuple[list[Answer], Optional[dict]]:
+def _conversation(backend: Backend, item: RegenItem, seed: int, stop: threading.Event, journal: Optional[Journal],
+                  clock) -> tuple[list[Answer], Optional[dict]]:
     history, answers = item.prefix(), []
     for turn, question in enumerate(item.user_turns):
         if stop.is_set():
@@ -129,18 +141,27 @@ def _conversation(backend: Backend, item: RegenItem, seed: int, stop: threading.
             return answers, _failure(item, turn, out)
         answers.append(out)
         history.append({"role": "assistant", "content": out.text})
+    if journal is not None:  # failed conversations are not journaled: a resumed run asks them again
+        journal.record(item.id, answers, clock())
     return answers, None
 
 
-def _by_conversation(backend: Backend, items: list[RegenItem], seed: int
-                     ) -> tuple[list[list[Answer]], dict[int, dict]]:
+def _by_conversation(backend: Backend, items: list[RegenItem], seed: int, journal: Optional[Journal] = None
+                     ) -> tuple[list[list[Answer]], dict[int, dict], float]:
+    finished, spent = journal.load() if journal is not None else ({}, 0.0)
+    t0 = time.perf_counter()
+
+    def clock() -> float:  # seconds over every attempt at this batch
+        return spent + time.perf_counter() - t0
+
+    done = {i: (finished[item.id], None) for i, item in enumerate(items) if item.id in finished}
     # Longest conversations first: they bound the batch's time, so they must not start last.
-    order = sorted(range(len(items)), key=lambda i: -len(items[i].user_turns))
+    order = sorted((i for i in range(len(items)) if i not in done), key=lambda i: -len(items[i].user_turns))
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="regen-conv")
     try:
-        futures = {i: pool.submit(_conversation, backend, items[i], seed, stop) for i in order}
-        done = {i: futures[i].result() for i in order}
+        futures = {i: pool.submit(_conversation, backend, items[i], seed, stop, journal, clock) for i in order}
+        done.update({i: futures[i].result() for i in order})
     except BaseException:
         # An error (a dead server) or an interrupt: no conversation asks another turn, and the caller can
         # stop the server at once instead of waiting for every conversation to finish its turns.
@@ -150,14 +171,21 @@ def _by_conversation(backend: Backend, items: list[RegenItem], seed: int
     pool.shutdown()
     answers = [done[i][0] for i in range(len(items))]
     failed = {i: done[i][1] for i in range(len(items)) if done[i][1] is not None}
-    return answers, failed
+    return answers, failed, clock()
 
 
-def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenerate: str = "flag") -> BatchResult:
+def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenerate: str = "flag",
+                journal: Optional[Journal] = None) -> BatchResult:
+    """One batch's records; `journal` (per-conversation schedule only) resumes a batch a kill interrupted."""
     on_degenerate = OnDegenerate.parse(on_degenerate, "regen.on_degenerate")
     t0 = time.perf_counter()
-    schedule = _by_conversation if getattr(backend, "concurrency", 0) > 0 else _by_waves
-    answers, failed = schedule(backend, items, seed)
+    if getattr(backend, "concurrency", 0) > 0:
+        schedule = _by_conversation
+        answers, failed, generation_s = _by_conversation(backend, items, seed, journal)
+    else:
+        schedule = _by_waves
+        answers, failed = _by_waves(backend, items, seed)
+        generation_s = time.perf_counter() - t0
     n_tokens = sum(a.n_tokens for turns in answers for a in turns)
 
     records, degenerate, dropped = [], Counter(), 0
@@ -178,7 +206,7 @@ def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenera
         "written": len(records),
         "turns": sum(len(a) for a in answers),
         "tokens": n_tokens,
-        "generation_s": time.perf_counter() - t0,
+        "generation_s": generation_s,
         "degenerate_turns": dict(degenerate),
         "dropped_degenerate": dropped,
         "failed": len(failed),
