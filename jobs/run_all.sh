@@ -6,6 +6,7 @@
 #   jobs/run_all.sh experiment=demo                  # what `make demo` does, stage by stage
 #   jobs/run_all.sh experiment=demo head=eagle1      # any Hydra override goes to every stage
 #   NPROC=8 jobs/run_all.sh experiment=demo          # a multi-GPU machine: 8 ranks for regen, dump and train
+#   jobs/run_all.sh experiment=demo train.source=online   # no dump: train computes the states itself
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-1}
@@ -24,9 +25,10 @@ stage() {
 #    draft for at serving time (outputs/<experiment>/regen/, ShareGPT shards).
 stage regen "$@"
 # 2. dump: one forward pass of the target over every conversation; its hidden states (three aux layers +
-#    the final norm output) go to Arrow shards (outputs/<experiment>/dump/).
-stage dump "$@"
-# 3. train: the draft head learns to predict the target's next features/tokens from the dump; checkpoints
+#    the final norm output) go to Arrow shards (outputs/<experiment>/dump/). Skipped with train.source=online.
+[[ " $* " == *" train.source=online "* ]] || stage dump "$@"
+# 3. train: the draft head learns to predict the target's next features/tokens from the dump (or, online,
+#    from the target run inside the job on regen's conversations); checkpoints
 #    every train.save_every steps and resumes from the last one when rerun (outputs/<experiment>/train/<head>/).
 stage train "$@"
 # 4. eval: speculative decoding with the head (EAGLE-2 dynamic tree) against plain decoding; writes tau

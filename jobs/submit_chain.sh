@@ -6,6 +6,7 @@
 #   jobs/submit_chain.sh --partition=gpu --account=proj -- experiment=<name> head=eagle1
 #                        \____ sbatch options for every job ____/
 #   STAGES="train eval export" jobs/submit_chain.sh experiment=<name>     start from an existing dump
+#   jobs/submit_chain.sh experiment=<name> train.source=online            no dump job: train computes the states
 #   TRAIN_SBATCH="--nodes=4 --time=48:00:00" jobs/submit_chain.sh ...     sbatch options for one stage
 #                                                                        (REGEN_SBATCH, DUMP_SBATCH, ...)
 # Prints "<stage> <job id>" per job. Logs: jobs/logs/<job name>-<job id>.out.
@@ -19,7 +20,9 @@ if [[ " $* " == *" -- "* ]]; then
 fi
 
 dependency=()
-for stage in ${STAGES:-regen dump train eval export}; do
+default_stages="regen dump train eval export"
+[[ " $* " == *" train.source=online "* ]] && default_stages="regen train eval export"
+for stage in ${STAGES:-$default_stages}; do
   [[ -f jobs/$stage.sbatch ]] || { echo "submit_chain: no job script jobs/$stage.sbatch" >&2; exit 2; }
   per_stage="${stage^^}_SBATCH"
   # shellcheck disable=SC2086  # per-stage options are a word list on purpose

@@ -41,6 +41,8 @@ def stage_main(stage: str):
 
 def run_stages(cfg: EagletConfig) -> None:
     stages = STAGES if cfg.stage == "all" else (str(cfg.stage),)  # `stage` is checked at compose time
+    if cfg.stage == "all" and cfg.train.source == "online":  # the training job computes the states itself
+        stages = tuple(s for s in stages if s != "dump")
     mains = [(s, stage_main(s)) for s in stages]
     for stage, main in mains:
         log.info("=== stage %s (experiment %s) ===", stage, cfg.name)

@@ -42,13 +42,18 @@ def tiny_target(model_dir: Path) -> TargetConfig:
     return TargetConfig(name="tiny", path=str(model_dir), gguf_package=None, gguf_file=None, hub_id=str(model_dir))
 
 
-def build_tiny_dump(root: Path, model_dir: Path, shared_data: Path, rows: int = 48) -> Path:
-    """outputs root with <root>/t/dump written by the dump stage (alpaca demo conversations, <= 96 tokens)."""
+def tiny_data(shared_data: Path, rows: int = 48) -> DataConfig:
+    """The tiny dump's conversations: alpaca demo conversations, <= 96 tokens."""
+    source = SourceConfig(path=str(shared_data / "alpaca_en_demo" / "alpaca_en_demo.json"), limit=rows)
+    return DataConfig(name="tiny", sources=[source], max_length=96)
+
+
+def build_tiny_dump(root: Path, model_dir: Path, shared_data: Path, rows: int = 48, **dump) -> Path:
+    """outputs root with <root>/t/dump written by the dump stage from `tiny_data` (DumpConfig fields in `dump`)."""
     from pipeline.hidden_states.run import main as dump_main
 
-    source = SourceConfig(path=str(shared_data / "alpaca_en_demo" / "alpaca_en_demo.json"), limit=rows)
     cfg = EagletConfig(stage="dump", name=EXPERIMENT, output_root=str(root), target=tiny_target(model_dir),
-                       data=DataConfig(name="tiny", sources=[source], max_length=96), dump=DumpConfig(input="data"))
+                       data=tiny_data(shared_data, rows), dump=DumpConfig(input="data", **dump))
     dump_main(cfg)
     return root
 

@@ -35,15 +35,21 @@ class DumpPlan:
     shard_tokens: list[int] = field(default_factory=list)
 
 
+def row_order(lengths: Sequence[int]) -> list[int]:
+    """The dump's row order: samples by length, longest first, ties by input position. Batches are cut from
+    it consecutively, so it is also the order of the rows in the shards, whatever the batch sizes; online
+    training (train/online.py) orders its rows the same way, so both sources split train/validation alike."""
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+
+
 def plan_batches(lengths: Sequence[int], batch_tokens: int, max_batch_size: int) -> list[list[int]]:
-    """Length-grouped batches: samples sorted by length (longest first, ties by input position), cut
-    greedily so that padded size (rows x longest row) stays within `batch_tokens`. Sorting first keeps
-    padding small; a sample longer than `batch_tokens` gets a batch of its own."""
+    """Length-grouped batches cut greedily from `row_order`, so that padded size (rows x longest row) stays
+    within `batch_tokens`. Sorting first keeps padding small; a sample longer than `batch_tokens` gets a batch
+    of its own."""
     if batch_tokens < 1 or max_batch_size < 1:
         raise ValueError("dump.batch_tokens and dump.max_batch_size must be positive")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
-    for i in order:
+    for i in row_order(lengths):
         cur = batches[-1] if batches else None
         # Rows are in descending length, so the batch's padded width is its first row's length.
         if cur is not None and len(cur) < max_batch_size and (len(cur) + 1) * lengths[cur[0]] <= batch_tokens:

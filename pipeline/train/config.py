@@ -14,6 +14,11 @@ class Schedule(Choice):
     constant = "constant"  # warmup, then lr
 
 
+class TrainSource(Choice):
+    dump = "dump"  # the dump stage's shards: states computed once, reused by every epoch and head
+    online = "online"  # the target runs in the training job; states never touch the disk (online.py)
+
+
 class MixedPrecision(Choice):
     auto = "auto"  # bf16 autocast where bf16 is fast (GPUs, AMX/AVX512-BF16 CPUs; pipeline/precision.py)
     no = "no"
@@ -22,6 +27,7 @@ class MixedPrecision(Choice):
 
 @dataclass
 class TrainConfig:
+    source: TrainSource = TrainSource.dump
     epochs: int = 1
     max_steps: Optional[int] = None  # cap on optimizer steps; the LR schedule spans the capped run
     lr: float = 3e-4
@@ -56,5 +62,6 @@ class TrainConfig:
     resume: bool = True  # continue from the last checkpoint in the train dir (false: refuse a non-empty dir)
 
     def __post_init__(self) -> None:
+        self.source = TrainSource.parse(self.source, "train.source")
         self.schedule = Schedule.parse(self.schedule, "train.schedule")
         self.mixed_precision = MixedPrecision.parse(self.mixed_precision, "train.mixed_precision")

@@ -125,7 +125,10 @@ class Batch:
 def collate(reader, indices: Sequence[int], max_length: int, with_aux: bool,
             dtype: torch.dtype = torch.float32) -> Batch:
     """Rows of a DumpReader, truncated to max_length and right-padded to the longest. Features are cast
-    to `dtype` (the master-weight dtype; autocast handles bf16 compute on GPU)."""
+    to `dtype` (the master-weight dtype; autocast handles bf16 compute on GPU). Rows whose states are
+    computed on demand (train.source=online, OnlineRows) build the same batch themselves."""
+    if hasattr(reader, "collate"):
+        return reader.collate(indices, max_length, with_aux, dtype)
     samples = [reader[i] for i in indices]
     t = min(max(len(s.input_ids) for s in samples), max_length)
     b, h = len(samples), samples[0].final_hidden.shape[-1]

@@ -275,6 +275,12 @@ class Trainer:
             return None
         state = ckpt.load_checkpoint(path, self.par, self.model, self.optimizer, self.scheduler)
         ours = self.trainer_state()
+        theirs_source, our_source = (s["identity"].get("source", "dump") for s in (state, ours))
+        if theirs_source != our_source:
+            raise RuntimeError(
+                f"{path}: this run started with train.source={theirs_source} and cannot resume with "
+                f"train.source={our_source} (the states would come from elsewhere mid-run); rerun with "
+                f"train.source={theirs_source}, or train into another head.name")
         for key in ("identity", "data_order"):  # epochs/max_steps may change: training longer is allowed
             if state[key] != ours[key]:
                 raise RuntimeError(

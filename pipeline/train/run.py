@@ -2,7 +2,9 @@
 with `torchrun --nproc-per-node N -m pipeline.run stage=train ...` (gloo on CPU, NCCL on GPU), DeepSpeed
 ZeRO-2 with `train.deepspeed_config=conf/deepspeed/zero2.json`.
 
-Reads the dump (`outputs/<exp>/dump`), writes `outputs/<exp>/train/<head.name>/`:
+Reads the dump (`outputs/<exp>/dump`), or with `train.source=online` what the dump stage would read (the regen
+output, or the data sources under dump.input=data) and computes the states in the job (online.py). Writes
+`outputs/<exp>/train/<head.name>/`:
     checkpoints/step-N/   resumable state (see checkpoint.py); rerunning the command resumes from the last
     final/                model.safetensors + head_config.json (with d2t/t2d): load with pipeline.heads.io.load_head
     metrics.jsonl         every step's metrics; curves.png at the end; manifest.json when complete
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.data.bad_records import BadRecordReport
 from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, save_head
@@ -27,9 +30,11 @@ from pipeline.manifest import MANIFEST, digest_file, to_plain, write_manifest
 from pipeline.target import load_target
 
 from . import checkpoint as ckpt
+from .config import TrainSource
 from .data import prompt_of, split_train_val, subsample, truncated_lengths
 from .loop import TauProbe, Trainer, build_objective
 from .metrics import CURVES_FILE, MetricsLog, plot_curves
+from .online import OnlineRows
 from .parallel import Parallel
 
 log = logging.getLogger(__name__)
@@ -42,7 +47,7 @@ def seed_everything(seed: int) -> None:
 
 
 def main(cfg) -> dict:
-    """Trains `cfg.head` on this experiment's dump. Returns the final metrics (main rank)."""
+    """Trains `cfg.head` on this experiment's dump (or online). Returns the final metrics (main rank)."""
     par = Parallel(cfg.train)
     try:
         return train(cfg, par)
@@ -58,21 +63,14 @@ def train(cfg, par: Parallel) -> dict:
         raise RuntimeError(f"{train_dir} has checkpoints and train.resume=false; delete it or pick another experiment")
     train_dir.mkdir(parents=True, exist_ok=True)
 
-    # The target only provides frozen weights (embeddings, lm_head) here, plus the real-tau decodes on rank 0.
-    # Loaded in fp32 unless a dtype is forced: the head copies exact weights; autocast sets the compute precision.
-    dtype = "float32" if cfg.target.dtype == "auto" else cfg.target.dtype
-    target = load_target(dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype))
-    fuses_layers = head_spec(hcfg.kind).fuses_target_layers
-    # The layers a head fuses are the ones the dump captured (its manifest); ids set in dump.layer_ids must
-    # match them (a mismatch means the dump is stale), unset ones are not recomputed here.
-    reader = DumpReader(dump_dir, expect_target=target.fingerprint,
-                        expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None)
-    layer_ids = reader.layer_ids if fuses_layers else None
+    online = tcfg.source == TrainSource.online
+    target, reader, inputs, data_identity = load_rows(cfg, par, online)
+    layer_ids = reader.layer_ids if head_spec(hcfg.kind).fuses_target_layers else None
     lengths = truncated_lengths(reader.lengths, tcfg.max_length)
     train_idx, val_idx = split_train_val(len(reader), tcfg.val_fraction, tcfg.seed)
     train_idx = subsample(train_idx, tcfg.train_fraction, tcfg.seed)
-    log.info("dump %s: %d rows (%d train / %d validation), %d tokens", dump_dir, len(reader), len(train_idx),
-             len(val_idx), reader.num_tokens)
+    log.info("%s: %d rows (%d train / %d validation), %d tokens", "online input" if online else f"dump {dump_dir}",
+             len(reader), len(train_idx), len(val_idx), reader.num_tokens)
 
     head, vocab_info = build_head(cfg, target, reader, train_idx, layer_ids)
     objective = build_objective(head, hcfg, target.model.get_output_embeddings().weight)
@@ -81,11 +79,10 @@ def train(cfg, par: Parallel) -> dict:
         prompts = [p for p in (prompt_of(reader[i]) for i in val_idx) if p is not None][:tcfg.tau_prompts]
         tau_probe = TauProbe(target.model, prompts, tcfg.tau_max_new_tokens, cfg.tree.top_k, cfg.tree.depth,
                              cfg.tree.total_tokens)
-    if tau_probe is None:
+    if tau_probe is None and not online:
         target.model = None  # nothing decodes on this rank: keep only the frozen weights copied out of it
 
-    dump_digest = digest_file(dump_dir / MANIFEST)
-    identity = {"dump_manifest_sha256": dump_digest, "head": head.config.to_dict(), "train_rows": len(train_idx)}
+    identity = {**data_identity, "head": head.config.to_dict(), "train_rows": len(train_idx)}
     if par.precision != "float32":  # a resume never switches autocast (fp32 adds nothing: older runs resume)
         identity["precision"] = par.precision
     wandb_config = {"train": to_plain(tcfg), "head": to_plain(hcfg), "head_config": head.config.to_dict(),
@@ -100,11 +97,35 @@ def train(cfg, par: Parallel) -> dict:
     try:
         final_metrics = trainer.fit()
         if par.is_main:
-            finish(cfg, trainer, head, train_dir, dump_dir, target, vocab_info, final_metrics, t0)
+            finish(cfg, trainer, head, train_dir, inputs, target, vocab_info, final_metrics, t0)
         metrics.close(summary=final_metrics)
     finally:
         metrics.close()  # also on a stop request / crash: the W&B run keeps what was logged
     return final_metrics
+
+
+def load_rows(cfg, par: Parallel, online: bool):
+    """(target, rows, input stage dirs, what a resumed checkpoint must have trained on). Offline the target only
+    provides frozen weights (embeddings, lm_head) plus the real-tau decodes on rank 0: loaded in fp32 unless a
+    dtype is forced (the head copies exact weights; autocast sets the compute precision), and the rows are the
+    dump's. Online the target also computes every batch's states, at the precision a dump stage would use."""
+    dtype = cfg.target.dtype if online or cfg.target.dtype != "auto" else "float32"
+    target = load_target(dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype))
+    if online:
+        rows = OnlineRows.from_config(cfg, target, BadRecordReport())
+        # The input's digest, not the source's name alone: resuming on other conversations is refused too.
+        digests = [digest_file(Path(d) / MANIFEST) for d in rows.inputs] or [to_plain(cfg.data)]
+        identity = {"source": "online", "inputs": digests, "layer_ids": rows.layer_ids,
+                    "target_precision": target.precision}
+        return target, rows, rows.inputs, identity
+    dump_dir = cfg.stage_dir("dump")
+    # The layers a head fuses are the ones the dump captured (its manifest); ids set in dump.layer_ids must
+    # match them (a mismatch means the dump is stale), unset ones are not recomputed here.
+    fuses_layers = head_spec(cfg.head.kind).fuses_target_layers
+    reader = DumpReader(dump_dir, expect_target=target.fingerprint,
+                        expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None)
+    # No "source" key offline: checkpoints written before train.source existed still resume.
+    return target, reader, [dump_dir], {"dump_manifest_sha256": digest_file(dump_dir / MANIFEST)}
 
 
 def build_head(cfg, target, reader, train_idx, layer_ids):
@@ -130,7 +151,7 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
     return head.to(target.device), info
 
 
-def finish(cfg, trainer: Trainer, head, train_dir: Path, dump_dir: Path, target, vocab_info: dict,
+def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, vocab_info: dict,
            final_metrics: dict, t0: float) -> None:
     """final/ head, curves.png and the manifest (main rank)."""
     final_dir = train_dir / FINAL
@@ -147,7 +168,7 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, dump_dir: Path, target,
         train_dir, "train", config={"train": cfg.train, "head": cfg.head, "target": cfg.target, "dump": cfg.dump},
         counts={"train_rows": len(trainer.train_idx), "val_rows": len(trainer.val_idx), "steps": trainer.step,
                 "epoch_steps": trainer.epoch_steps, "world_size": trainer.par.world_size, **vocab_info},
-        timings={"total_s": time.perf_counter() - t0}, inputs=[dump_dir],
+        timings={"total_s": time.perf_counter() - t0}, inputs=inputs, source=str(cfg.train.source),
         target=target.fingerprint, precision=trainer.par.precision, head_config=head.config.to_dict(),
         final_metrics=final_metrics)
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
