@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = 2
 # Llama-architecture families: the final norm is a Llama RMSNorm (weight * x_hat, not Gemma's
 # (1 + weight) * x_hat) and the logits are exactly lm_head(final norm), with no softcapping or logit scale.
-LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3"})
 
 
 @dataclass

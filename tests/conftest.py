@@ -35,8 +35,10 @@ _CORPUS = [
 ]
 
 
-def build_tiny_tokenizer():
-    """A byte-level BPE tokenizer (exact round trip of any text) with ChatML special tokens."""
+def build_tiny_tokenizer(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos="<|im_start|>",
+                         eos="<|im_end|>", template=CHATML_TEMPLATE):
+    """A byte-level BPE tokenizer (exact round trip of any text) with the given special tokens (pad and unk
+    first) and chat template: ChatML by default; tests/families.py gives other families' own."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,19 +47,19 @@ def build_tiny_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=384,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=specials[0],
+        unk_token=specials[0],
     )
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = template
     return fast
 
 

@@ -149,13 +149,18 @@ def _turn_format(tokenizer) -> _TurnFormat:
 
     user = [{"role": "user", "content": "Hi"}]
     prompt = _render(tokenizer, user, add_generation_prompt=True)
-    if prompt == _render(tokenizer, user, add_generation_prompt=False):
-        raise ChatTemplateError("chat template ignores add_generation_prompt: cannot tell role headers apart")
     turn = _render(tokenizer, user + [{"role": "assistant", "content": _PROBE_CONTENT}], add_generation_prompt=False)
     if not turn.startswith(prompt) or _PROBE_CONTENT not in turn[len(prompt):]:
         raise ChatTemplateError(
             "chat template is not prefix-stable: an assistant turn does not extend its generation prompt"
         )
+    # A template without an assistant header (Mistral's [INST] format: the answer follows "[/INST]") has nothing
+    # for add_generation_prompt to add. One that ignores the flag but writes a header would leave the header
+    # out of every generation prompt and inside the loss mask.
+    header = turn[len(prompt):turn.index(_PROBE_CONTENT, len(prompt))]
+    if header.strip() and prompt == _render(tokenizer, user, add_generation_prompt=False):
+        raise ChatTemplateError(f"chat template ignores add_generation_prompt but writes an assistant header "
+                                f"{header!r}: generation prompts would lack it")
     suffix = turn[turn.index(_PROBE_CONTENT, len(prompt)) + len(_PROBE_CONTENT):]
 
     # End-of-turn = the suffix up to and including its first special token.

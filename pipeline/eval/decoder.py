@@ -19,7 +19,6 @@ from typing import Iterable, Optional, Sequence
 import torch
 import transformers
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from pipeline.target import LLAMA_LIKE_MODEL_TYPES
 
@@ -117,11 +116,44 @@ def _generator(seed: Optional[int]) -> torch.Generator:
     return gen
 
 
+# Attention layer kinds (HF `config.layer_types`) the verification masks can express.
+MASKABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_layer_types(config) -> list[str]:
+    """Each decoder layer's attention kind: `config.layer_types` where the family has it (Gemma 2/3, Qwen 2/3
+    mix full and sliding-window layers), else every layer slides when `sliding_window` is set (Mistral v0.1,
+    Mixtral, Phi-3, Starcoder2 apply one mask to all layers). Refuses kinds a tree mask cannot express (linear
+    or chunked attention, recurrent layers), naming them."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+        types = [kind] * config.num_hidden_layers
+    other = sorted(set(types) - set(MASKABLE_LAYER_TYPES))
+    if other:
+        raise NotImplementedError(
+            f"{config.model_type}: layers of kind {other} cannot be verified with a tree attention mask (eaglet's "
+            f"tree decoder supports {list(MASKABLE_LAYER_TYPES)}); this target can be trained on but not evaluated")
+    return list(types)
+
+
 def _new_cache(model: torch.nn.Module) -> DynamicCache:
-    cache = DynamicCache(config=model.config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise NotImplementedError("tree decoding needs full-attention DynamicLayer caches (no sliding window)")
-    return cache
+    """A cache keeping every position in every layer, sliding-window layers too: verification compacts it in
+    place (keep_accepted_kv), and the window is applied by the masks instead, HF's own in one-token decoding
+    (vanilla_generate uses this cache as well) and `tree_attention_mask` in tree forwards. Past the window that
+    costs memory, not exactness."""
+    attention_layer_types(model.config)
+    return DynamicCache()
+
+
+def tree_attention_mask(model: torch.nn.Module, tree, prefix_len: int, dtype: torch.dtype, device):
+    """The tree's attention mask as the target's forward takes it: one 4D mask (windowed when every layer
+    slides), or one per layer kind for a family mixing full and sliding layers (HF's `causal_mask_mapping`)."""
+    kinds = set(attention_layer_types(model.config))
+    window = getattr(model.config, "sliding_window", None)
+    masks = {kind: tree.attention_mask(prefix_len, dtype, device, window if kind == "sliding_attention" else None)
+             for kind in kinds}
+    return masks if len(masks) > 1 else masks.popitem()[1]
 
 
 class RowLogits:
@@ -170,7 +202,7 @@ def target_forward(
     cache: DynamicCache,
     feature_layers: Sequence[int] = (),
     position_ids: Optional[torch.Tensor] = None,
-    attention_mask: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor | dict] = None,  # 4D, or one per layer kind (tree_attention_mask)
     logits_to_keep: int = 0,
     row_logits: bool = False,
 ) -> tuple[torch.Tensor | RowLogits, Optional[torch.Tensor]]:
@@ -264,7 +296,7 @@ def generate(
         with clock("draft"):
             tree = drafter.draft(spec, temperature, gen)
         prefix = cache.get_seq_length()
-        mask = tree.attention_mask(prefix, dtype, device)
+        mask = tree_attention_mask(target, tree, prefix, dtype, device)
         with clock("target"):
             logits, states = target_forward(target, tree.tokens[None].to(device), cache, layers,
                                             tree.position_ids(prefix, device), mask, row_logits=row_logits)

@@ -95,9 +95,13 @@ class DraftTree:
         """[1, N]: a node sits at the position after its ancestors, prefix_len + depth."""
         return (prefix_len + torch.tensor(self.depths, device=device))[None]
 
-    def attention_mask(self, prefix_len: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    def attention_mask(self, prefix_len: int, dtype: torch.dtype, device: torch.device | str,
+                       sliding_window: Optional[int] = None) -> torch.Tensor:
         """Additive float mask [1, 1, N, prefix_len + N] for an HF target whose KV cache holds the prefix:
-        0 where a node may attend (the whole prefix, its ancestors, itself), dtype-min elsewhere.
+        0 where a node may attend (the whole prefix, its ancestors, itself), dtype-min elsewhere. With a
+        `sliding_window` W, a node at position p also sees only keys at positions > p - W (HF's sliding
+        window: the W most recent positions, itself included), as a sliding-window layer would in one-token
+        decoding.
 
         Additive rather than bool: a 4D mask reaches the attention kernel untouched (masking_utils returns
         it as is), and eager attention *adds* it to the scores while SDPA accepts both; so one float mask is
@@ -105,7 +109,11 @@ class DraftTree:
         allowed = torch.cat([
             torch.ones(len(self), prefix_len, dtype=torch.bool, device=device),
             self.ancestor_mask(device),
-        ], dim=1)
+        ], dim=1)  # [N, prefix_len + N]
+        if sliding_window is not None:
+            query_pos = self.position_ids(prefix_len, device)[0]  # [N]
+            key_pos = torch.cat([torch.arange(prefix_len, device=device), query_pos])  # [prefix_len + N]
+            allowed &= key_pos[None, :] > query_pos[:, None] - sliding_window
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[None, None]

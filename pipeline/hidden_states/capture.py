@@ -28,7 +28,9 @@ def resolve_layer_ids(layer_ids: Optional[Sequence[int]], num_layers: int) -> li
         raise ValueError(f"dump.layer_ids {bad} out of range: input-to-layer ids of a {num_layers}-layer "
                          f"target are 0..{num_layers - 1} (the final state is captured separately)")
     if len(set(ids)) != len(ids):
-        raise ValueError(f"dump.layer_ids {ids} has duplicates")
+        why = (f" (the default low/mid/high rule 2, L//2, L-3 needs at least 7 layers; this target has {num_layers}: "
+               "set dump.layer_ids)" if layer_ids is None else "")
+        raise ValueError(f"dump.layer_ids {ids} has duplicates{why}")
     return ids
 
 
