@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 # bench_stages: every stage's variants (regen engines, fp32 against bf16); ~3-4 hours on 2 cores, resumable
-# with `--work`. bench_ttt: the TTT training forward against the reference.
-BENCHES = ["bench_stages.py", "bench_ttt.py"]
+# with `--work`. bench_ttt: the TTT training forward against the reference. bench_online: online training
+# against dump + train, for 1 and 4 epochs (~10 minutes).
+BENCHES = ["bench_stages.py", "bench_ttt.py", "bench_online.py"]
 
 
 def main() -> int:

@@ -7,6 +7,7 @@ the run, while a real divergence (another micro-batch, a missing gradient sync, 
 moves the losses by 1e-3 or more from the second step on. (On the 2-core CI machine they come out equal.)"""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -46,3 +47,24 @@ def test_two_processes_reproduce_one_process_with_the_same_global_batch(dump_roo
     assert {p.name for p in last.glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
     assert (two_dir / "manifest.json").is_file() and (two_dir / "final" / "model.safetensors").is_file()
     assert os.path.getsize(two_dir / "metrics.jsonl") > 0
+
+
+def test_online_ranks_run_their_own_target_and_reproduce_one_process(dump_root, tiny_model_dir, shared_data):
+    """train.source=online on 2 ranks: each rank loads its own target replica and computes the states of its own
+    micro-batches. The losses equal one process's with grad_accum=2, as offline: a rank whose states were wrong
+    or missing (zeros, another rank's rows) would move them from the first step."""
+    common = dict(max_steps=4, epochs=2, save_every=2, eval_every=0, tau_prompts=0, source="online")
+    data = {"dump.input": "data", "data.name": "tiny", "data.max_length": 96,
+            "data.sources": f"[{{path: {shared_data}/alpaca_en_demo/alpaca_en_demo.json, limit: 48}}]"}
+    runs = {}
+    for name, accum, launcher in (("online-one", 2, None), ("online-two", 1, TORCHRUN)):
+        d = {**overrides(dump_root, tiny_model_dir, "eagle3", name, grad_accum=accum, **common), **data}
+        out = run_cli(d, env={"OMP_NUM_THREADS": "1"}, launcher=launcher, timeout=180)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+        runs[name] = dump_root / EXPERIMENT / "train" / name
+    ref, got = train_losses(runs["online-one"]), train_losses(runs["online-two"])
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    manifest = json.loads((runs["online-two"] / "manifest.json").read_text())
+    assert manifest["source"] == "online" and manifest["counts"]["world_size"] == 2
