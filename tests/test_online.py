@@ -28,7 +28,7 @@ from pipeline.train.data import collate
 from pipeline.train.loop import build_objective
 from pipeline.train.metrics import read_metrics
 from pipeline.train.online import OnlineRows
-from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, tiny_data
+from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, tiny_data, train_losses
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -48,6 +48,12 @@ def online_config(root: Path, model_dir: Path, shared_data: Path, **train):
     cfg.dump = dataclasses.replace(cfg.dump, input="data")
     cfg.data = tiny_data(shared_data, rows=12)
     return cfg
+
+
+def online_cli(shared_data: Path) -> dict:
+    """The overrides that make a `run_cli` train run online on the tiny dump's conversations."""
+    return {"train.source": "online", "dump.input": "data", "data.name": "tiny", "data.max_length": 96,
+            "data.sources": f"[{{path: {shared_data}/alpaca_en_demo/alpaca_en_demo.json, limit: 48}}]"}
 
 
 def rows_and_reader(root: Path, model_dir: Path, shared_data: Path):
@@ -127,3 +133,22 @@ def test_online_stage_trains_without_a_dump_and_refuses_to_resume_from_one(dumps
     with pytest.raises(RuntimeError, match="started with train.source=online and cannot resume with "
                                            "train.source=dump"):
         train_run.main(offline)
+
+
+def test_online_kill9_then_rerun_reproduces_the_uninterrupted_losses(tmp_path, tiny_model_dir, shared_data):
+    """Resume online as offline: the data position and RNG come from the checkpoint, the states are recomputed."""
+    runs = {}
+    for name, fault in (("ref", None), ("killed", "step_logged:6:SIGKILL")):
+        d = {**overrides(tmp_path, tiny_model_dir, "eagle3", name, max_steps=8, save_every=4, eval_every=0,
+                         tau_prompts=0), **online_cli(shared_data)}
+        out = run_cli(d, fault=fault)
+        assert out.returncode == (-9 if fault else 0), out.stderr[-2000:]
+        runs[name] = (d, tmp_path / EXPERIMENT / "train" / name)
+    d, killed = runs["killed"]
+    assert max(train_losses(killed)) == 6 and not (killed / "manifest.json").exists()
+    out = run_cli(d)  # the rerun resumes from step 4
+    assert out.returncode == 0, out.stderr[-2000:]
+    ref, got = train_losses(runs["ref"][1]), train_losses(killed)
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-6, rel=0), step

@@ -15,6 +15,7 @@ import pytest
 
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.run import main
+from test_online import online_cli
 from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -53,12 +54,11 @@ def test_online_ranks_run_their_own_target_and_reproduce_one_process(dump_root, 
     """train.source=online on 2 ranks: each rank loads its own target replica and computes the states of its own
     micro-batches. The losses equal one process's with grad_accum=2, as offline: a rank whose states were wrong
     or missing (zeros, another rank's rows) would move them from the first step."""
-    common = dict(max_steps=4, epochs=2, save_every=2, eval_every=0, tau_prompts=0, source="online")
-    data = {"dump.input": "data", "data.name": "tiny", "data.max_length": 96,
-            "data.sources": f"[{{path: {shared_data}/alpaca_en_demo/alpaca_en_demo.json, limit: 48}}]"}
+    common = dict(max_steps=4, epochs=2, save_every=2, eval_every=0, tau_prompts=0)
     runs = {}
     for name, accum, launcher in (("online-one", 2, None), ("online-two", 1, TORCHRUN)):
-        d = {**overrides(dump_root, tiny_model_dir, "eagle3", name, grad_accum=accum, **common), **data}
+        d = {**overrides(dump_root, tiny_model_dir, "eagle3", name, grad_accum=accum, **common),
+             **online_cli(shared_data)}
         out = run_cli(d, env={"OMP_NUM_THREADS": "1"}, launcher=launcher, timeout=180)
         assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
         runs[name] = dump_root / EXPERIMENT / "train" / name
