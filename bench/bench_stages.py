@@ -304,6 +304,18 @@ def bench_eval(cfgs: dict, questions: int, max_new_tokens: int) -> dict:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its bf16 matmul extensions (the figures depend on both: AMX or AVX512-BF16)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return f"{name} ({', '.join(f for f in ('amx_bf16', 'avx512_bf16') if f in flags) or 'no bf16 matmul flags'})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=128)
@@ -334,8 +346,8 @@ def main() -> None:
     stages = args.stages.split(",")
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.is_file() else {}  # stages not rerun keep their figures
-    result["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                         "threads": args.threads, "torch": torch.__version__}
+    result["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
+                         "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="eaglet-bench-stages-") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
