@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,9 +26,10 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from pipeline.data.chat import render_prompt, stop_token_ids
-from pipeline.eval.decoder import _new_cache, generate, supports_row_logits, target_forward, vanilla_generate  # noqa: E402
-from pipeline.eval.drafter import EagleDrafter  # noqa: E402
+from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
+from pipeline.eval.autotree import choose_tree, verify_costs  # noqa: E402
+from pipeline.eval.decoder import generate, vanilla_generate  # noqa: E402
+from pipeline.eval.drafter import make_drafter  # noqa: E402
 from pipeline.heads.io import load_head  # noqa: E402
 from pipeline.target import TargetConfig, load_target  # noqa: E402
 
@@ -39,37 +38,9 @@ SEED_TASKS = REPO.parent / "shared" / "data" / "alpaca_seed_tasks" / "seed_tasks
 TREES = [(6, 10, 60), (5, 8, 32), (4, 6, 16), (3, 4, 8), (2, 1, 4), (1, 1, 3)]
 
 
-def forward_cost(model, sizes: list[int], prefix_len: int = 400, reps: int = 7) -> dict[int, float]:
-    """Median seconds of one verification forward of n tokens after a prefix_len-token cache, on the model's
-    own device (CUDA timings synchronize before reading the clock)."""
-    device = next(model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.config.vocab_size, (1, prefix_len), generator=gen).to(device)
-    row_logits = supports_row_logits(model)
-    out = {}
-    for n in sizes:
-        times = []
-        for _ in range(reps):
-            cache = _new_cache(model)
-            target_forward(model, prefix, cache, logits_to_keep=1)
-            ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device)
-            pos = torch.arange(prefix_len, prefix_len + n, device=device)[None]
-            # A causal block stands in for the tree mask: same shapes, same kernels.
-            mask = torch.zeros(1, 1, n, prefix_len + n, dtype=model.dtype, device=device)
-            mask[..., prefix_len:] = torch.triu(torch.full((n, n), float("-inf"), device=device), 1).to(model.dtype)
-            sync()
-            t0 = time.perf_counter()
-            target_forward(model, ids, cache, position_ids=pos, attention_mask=mask, row_logits=row_logits)
-            sync()
-            times.append(time.perf_counter() - t0)
-        out[n] = statistics.median(times)
-    return out
-
-
-def held_out_prompts(tokenizer, n: int) -> list[list[int]]:
+def held_out_prompts(tokenizer, n: int, skip: int = 0) -> list[list[int]]:
     prompts = []
-    for line in SEED_TASKS.read_text().splitlines()[:n]:
+    for line in SEED_TASKS.read_text().splitlines()[skip:skip + n]:
         task = json.loads(line)
         extra = task["instances"][0]["input"] if task["instances"] else ""
         text = task["instruction"] + (f"\n\n{extra}" if extra else "")
@@ -77,13 +48,16 @@ def held_out_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def sweep(target, head, prompts, max_new_tokens: int, trees: list[tuple[int, int, int]]) -> dict:
+def sweep(target, head, prompts, max_new_tokens: int, trees: list[tuple[int, int, int]], repeats: int = 1,
+          names: list[str] | None = None) -> dict:
+    """Every variant on every prompt, interleaved (prompt by prompt, `repeats` rounds), so drift of the
+    machine's speed hits all of them alike."""
     model = target.model
     eos = set(stop_token_ids(target.tokenizer, model))
-    drafter = EagleDrafter(head)
-    names = ["vanilla"] + [f"d{d}_k{k}_n{n}" for d, k, n in trees]
+    drafter = make_drafter(head)
+    names = ["vanilla"] + (names or [f"d{d}_k{k}_n{n}" for d, k, n in trees])
     acc = {name: {"wall_s": 0.0, "tokens": 0, "forwards": 0, "accepted": 0, "identical": 0} for name in names}
-    for p in prompts:
+    for p in [p for _ in range(repeats) for p in prompts]:
         ids = torch.tensor(p)
         base = vanilla_generate(model, ids, max_new_tokens, eos_token_ids=eos)
         acc["vanilla"]["wall_s"] += base.wall_time
@@ -104,7 +78,7 @@ def sweep(target, head, prompts, max_new_tokens: int, trees: list[tuple[int, int
         rate = a["tokens"] / a["wall_s"]
         rows[name] = {"depth": d, "top_k": k, "total_tokens": n, "tau": a["accepted"] / a["forwards"],
                       "tokens_per_s": rate, "speedup": rate / van_rate,
-                      "identical_to_vanilla": f"{a['identical']}/{len(prompts)}"}
+                      "identical_to_vanilla": f"{a['identical']}/{len(prompts) * repeats}"}
     return rows
 
 
@@ -116,6 +90,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trees", default=" ".join(",".join(map(str, t)) for t in TREES),
                     help="space-separated depth,top_k,total_tokens triples (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the prompts")
+    ap.add_argument("--auto", action="store_true",
+                    help="add the tree eval picks with tree.depth=-1 tree.total_tokens=-1 (autotree.py), calibrated "
+                         "on other seed tasks than the swept prompts")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "tree.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -126,15 +104,23 @@ def main() -> None:
     target = load_target(TargetConfig())
     head = load_head(train_dir, target)
 
-    with torch.no_grad():
-        sizes = [1, 4, 8, 16, 32, 60]
-        cost = forward_cost(target.model, sizes)
+    sizes = [1, 4, 8, 16, 32, 60]
+    cost = verify_costs(target.model, sizes, repeats=7, prefix_tokens=400)
     print("verification forward, 400-token prefix:")
     for n in sizes:
         print(f"  {n:3d} tokens  {cost[n] * 1000:6.1f} ms  = {cost[n] / cost[1]:.2f} x the 1-token step")
 
     trees = [tuple(int(x) for x in t.split(",")) for t in args.trees.split()]
-    rows = sweep(target, head, held_out_prompts(target.tokenizer, args.prompts), args.max_new_tokens, trees)
+    names = [f"d{d}_k{k}_n{n}" for d, k, n in trees]
+    choice = None
+    if args.auto:
+        calib = [torch.tensor(p) for p in held_out_prompts(target.tokenizer, 3, skip=args.prompts)]
+        choice = choose_tree(target.model, make_drafter(head), calib, 10, -1, -1, 8, 128, 64,
+                             set(stop_token_ids(target.tokenizer, target.model)))
+        trees.append((choice.depth, choice.top_k, choice.total_tokens))
+        names.append("auto")
+    rows = sweep(target, head, held_out_prompts(target.tokenizer, args.prompts), args.max_new_tokens, trees,
+                 args.repeats, names)
     print(f"\n{args.prompts} held-out prompts x {args.max_new_tokens} tokens, greedy, head {train_dir}:")
     print(f"  vanilla                 {rows['vanilla']['tokens_per_s']:5.1f} tok/s")
     for name, r in rows.items():
@@ -145,7 +131,8 @@ def main() -> None:
                           "torch": torch.__version__},
               "train_dir": str(train_dir), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
               "forward_ms": {n: cost[n] * 1000 for n in sizes},
-              "forward_ratio_to_1": {n: cost[n] / cost[1] for n in sizes}, "sweep": rows}
+              "forward_ratio_to_1": {n: cost[n] / cost[1] for n in sizes}, "sweep": rows,
+              "repeats": args.repeats, "auto_choice": choice.as_dict() if choice else None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -74,8 +74,13 @@ class EagletConfig:
         if stage in ("train", "export"):
             return self.experiment_dir / stage / self.head.name
         if stage == "eval":
-            return self.experiment_dir / "eval" / self.head.name / self.eval_run_name
+            return self.experiment_dir / "eval" / self.eval_subject / self.eval_run_name
         raise ValueError(f"unknown stage {stage!r}")
+
+    @property
+    def eval_subject(self) -> str:
+        """What an eval run measures: the head's name, or the training-free drafter's (eval.drafter)."""
+        return self.head.name if self.eval.drafter == "head" else str(self.eval.drafter)
 
     @property
     def eval_run_name(self) -> str:
@@ -89,8 +94,10 @@ class EagletConfig:
         # The settings that define a run are in the name (set, limit, temperature, token budget, the target's
         # precision, the tree), so such runs sit side by side; any other difference (seed, baseline_limit,
         # head) in an existing folder is refused by the eval's identity check, never mixed.
+        lookup = (f"-ngram{e.lookup.min_ngram}to{e.lookup.max_ngram}" if e.drafter == "prompt_lookup" else "")
+        depth, total = ("auto" if v == -1 else v for v in (t.depth, t.total_tokens))
         return (f"{stem}{limit}-T{e.temperature:g}-m{e.max_new_tokens}-{self.target_precision}"
-                f"-tree{t.top_k}x{t.depth}x{t.total_tokens}")
+                f"-tree{t.top_k}x{depth}x{total}{lookup}")
 
     @property
     def target_precision(self) -> str:

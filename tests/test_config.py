@@ -96,7 +96,7 @@ def test_cli_unknown_stage_names_the_choices_not_a_traceback(tmp_path):
     ("regen.backend=llama", "Invalid value 'llama', expected one of [auto, hf, llamacpp, openai]"),
     ("data.on_bad_record=ignore", "Invalid value 'ignore', expected one of [skip, fail]"),
     ("export.dtype=int8", "Invalid value 'int8', expected one of [bfloat16, float32]"),
-    ("head.kind=eagle2", "unknown head kind 'eagle2': registered kinds are ['eagle1', 'eagle3']"),
+    ("head.kind=eagle2", "unknown head kind 'eagle2': registered kinds are ['eagle1', 'eagle3', 'medusa']"),
     ("export.format=onnx", "export.format='onnx': choose one of"),
     ("eval.top_k=4", "eval.top_k is now tree.top_k"),
     ("dump.dtype=int4", "dump.dtype='int4'"),

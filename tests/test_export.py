@@ -57,11 +57,11 @@ EAGLE1_TENSORS = {f"layers.0.{n}" for n in ATTN + MLP + ["post_attention_layerno
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def make_head(target, kind: str = "eagle3", aux_layer_ids=None, fc_bias: bool = False, seed: int = 0):
+def make_head(target, kind: str = "eagle3", aux_layer_ids=None, fc_bias: bool = False, seed: int = 0, **options):
     """A random head for `target` with non-trivial norms, biases and draft vocabulary, so that any swapped,
-    missing or re-initialized tensor changes the logits."""
+    missing or re-initialized tensor changes the logits. `options`: DraftHeadConfig flags (EAGLE-3.1's)."""
     cfg = DraftHeadConfig.from_target(target.config, kind, draft_vocab_size=None if kind == "eagle1" else DRAFT_VOCAB,
-                                      aux_layer_ids=aux_layer_ids, rope_theta=ROPE_THETA, fc_bias=fc_bias)
+                                      aux_layer_ids=aux_layer_ids, rope_theta=ROPE_THETA, fc_bias=fc_bias, **options)
     torch.manual_seed(seed)
     head = build_draft_head(cfg)
     with torch.no_grad():

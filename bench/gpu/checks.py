@@ -4,7 +4,8 @@
   forward round differently in bf16, so the two may part; where they do, the margin between vanilla's token
   and the tree decoder's at the first differing position is checked against the rounding bound derived in
   tests/bf16_ties.py: a divergence inside it is a numerical tie, one outside it is a bug.
---tree-cost: the verification forward's wall time by tree size on the target (bench_tree.forward_cost).
+--tree-cost: the verification forward's wall time by tree size on the target (autotree.verify_costs, what
+  eval's tree.total_tokens=-1 measures).
 """
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def ties(device: str, prompts: int = 6, new_tokens: int = 96) -> dict:
 
 
 def tree_cost(device: str, target: str | None) -> dict:
-    from bench_tree import forward_cost
+    from pipeline.eval.autotree import verify_costs
     from pipeline.target import TargetConfig, load_target
 
     cfg = TargetConfig(device=device, path=target) if target else TargetConfig(device=device)
     loaded = load_target(cfg)
     sizes = [1, 4, 8, 16, 32, 60]
-    cost = forward_cost(loaded.model, sizes, reps=5)
+    cost = verify_costs(loaded.model, sizes, repeats=5, prefix_tokens=400)
     return {"dtype": str(loaded.dtype), "device": device, "seconds": {str(n): cost[n] for n in sizes},
             "ratio_to_one_token": {str(n): cost[n] / cost[1] for n in sizes}}
 

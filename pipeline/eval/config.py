@@ -1,7 +1,12 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Optional
+
+from pipeline.choices import Choice
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -9,12 +14,50 @@ class TreeConfig:
     """The EAGLE-2 dynamic draft tree (the `tree` section): eval decodes with it, train's tau probe too, and
     export writes it into the serving commands (SGLang's --speculative-num-steps/-eagle-topk/-num-draft-tokens)."""
     top_k: int = 10  # children kept per expanded node
-    depth: int = 6  # expansion steps after the root's (a path holds up to depth + 1 drafts)
-    total_tokens: int = 60  # draft tokens verified per forward (the tree's size, root excluded)
+    depth: int = 6  # expansion steps after the root's (a path holds up to depth + 1 drafts); -1: eval chooses
+    total_tokens: int = 60  # nodes verified per forward (root included); -1: eval chooses (autotree.py)
+    # -1 above: eval measures this device's verification cost by tree size and the head's acceptance on the
+    # first `auto_prompts` questions (first turns, `auto_max_new_tokens` each), up to these bounds.
+    max_depth: int = 8
+    max_total_tokens: int = 128
+    auto_prompts: int = 3
+    auto_max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        for key in ("depth", "total_tokens"):
+            if getattr(self, key) < 0 and getattr(self, key) != -1:
+                raise ValueError(f"tree.{key}={getattr(self, key)}: a size, or -1 to let eval choose it")
+
+    @property
+    def is_auto(self) -> bool:
+        return self.depth == -1 or self.total_tokens == -1
+
+    def fixed(self, what: str) -> tuple[int, int, int]:
+        """(top_k, depth, total_tokens) for a fixed-tree consumer (`what`: train's tau probe, export's serve
+        command): a -1 becomes the default, said in the log, since only eval measures its choice."""
+        default = TreeConfig()
+        depth = default.depth if self.depth == -1 else self.depth
+        total = default.total_tokens if self.total_tokens == -1 else self.total_tokens
+        if self.is_auto:
+            log.warning("%s: tree %dx%dx%d (tree.depth/total_tokens=-1 is chosen by eval, see its summary.json "
+                        "tree_choice)", what, self.top_k, depth, total)
+        return self.top_k, depth, total
 
 
 # Keys that moved out of `eval`, with their new names: an old override fails naming the new key.
 MOVED = {"top_k": "tree.top_k", "depth": "tree.depth", "total_tokens": "tree.total_tokens"}
+
+
+class DrafterKind(Choice):
+    head = "head"  # the trained head `head.name` (outputs/<exp>/train/<head>)
+    prompt_lookup = "prompt_lookup"  # n-gram lookup in the context (lookup.py): training-free, no head
+
+
+@dataclass
+class LookupConfig:
+    """eval.drafter=prompt_lookup: the longest suffix n-gram, max_ngram down to min_ngram, is looked up."""
+    max_ngram: int = 3
+    min_ngram: int = 1
 
 
 @dataclass
@@ -22,6 +65,9 @@ class EvalConfig:
     # MT-bench format question file; empty: the demo questions shipped with the package.
     questions: str = ""
     limit: Optional[int] = None
+    # What drafts: the trained head, or a training-free baseline on the same decoder (lossless either way).
+    drafter: DrafterKind = DrafterKind.head
+    lookup: LookupConfig = field(default_factory=LookupConfig)
     # default: <questions stem>[-n<limit>]-T<temperature>-m<max_new_tokens>-<precision>-tree<top_k>x<depth>x<total>
     run_name: Optional[str] = None
     temperature: float = 0.0
@@ -41,6 +87,7 @@ class EvalConfig:
     total_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
+        self.drafter = DrafterKind.parse(self.drafter, "eval.drafter")
         for old, new in MOVED.items():
             if getattr(self, old) is not None:
                 raise ValueError(f"eval.{old} is now {new} (one tree for eval, train's tau probe and export)")

@@ -35,6 +35,26 @@ class Drafter(Protocol):
     ) -> DraftTree: ...
 
 
+def target_logprobs(logits: torch.Tensor, temperature: float, draft_to_target: Optional[torch.Tensor],
+                    vocab_size: int) -> torch.Tensor:
+    """Draft logits [..., V_draft] -> log-probs over the target vocabulary [..., V] (-inf off the draft vocab).
+    Top-k trees rank by the plain softmax (as EAGLE); sampled chains draw from the softmax at T."""
+    logprobs = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+    if draft_to_target is None:
+        return logprobs
+    full = logprobs.new_full((*logprobs.shape[:-1], vocab_size), float("-inf"))
+    full[..., draft_to_target] = logprobs
+    return full
+
+
+def vocab_map(head: torch.nn.Module) -> Optional[torch.Tensor]:
+    """Draft-vocabulary id -> target id, or None when the vocabularies coincide."""
+    c = head.config
+    ids = torch.arange(c.draft_vocab_size, device=next(head.parameters()).device)
+    mapped = head.draft_to_target(ids)
+    return None if c.draft_vocab_size == c.vocab_size and bool((mapped == ids).all()) else mapped
+
+
 def _sampled_chain(spec: TreeSpec, temperature: float, generator: Optional[torch.Generator]):
     """Chains at temperature > 0 are sampled from the drafter (classic speculative sampling); trees are
     always top-k (EAGLE-2), see tree.build_draft_tree."""
@@ -53,10 +73,7 @@ class EagleDrafter:
         # EAGLE-3 fuses the residual stream entering the aux layers; EAGLE-1 reads the final feature.
         self.feature_layers = tuple(c.aux_layer_ids) if head_spec(c.kind).fuses_target_layers else (-1,)
         self.param = next(head.parameters())
-        # Draft-vocabulary id -> target id, or None when the vocabularies coincide.
-        ids = torch.arange(c.draft_vocab_size, device=self.param.device)
-        mapped = head.draft_to_target(ids)
-        self.draft_to_target = None if c.draft_vocab_size == c.vocab_size and bool((mapped == ids).all()) else mapped
+        self.draft_to_target = vocab_map(head)
 
     @torch.no_grad()
     def start(self, input_ids: torch.Tensor, states: Optional[torch.Tensor], next_token: int) -> None:
@@ -76,14 +93,7 @@ class EagleDrafter:
         self.root_token = int(next_tokens[-1])
 
     def _target_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        """Draft logits [..., V_draft] -> log-probs over the target vocabulary [..., V] (-inf off the draft vocab).
-        Top-k trees rank by the plain softmax (as EAGLE); sampled chains draw from the softmax at T."""
-        logprobs = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
-        if self.draft_to_target is None:
-            return logprobs
-        full = logprobs.new_full((*logprobs.shape[:-1], self.head.config.vocab_size), float("-inf"))
-        full[..., self.draft_to_target] = logprobs
-        return full
+        return target_logprobs(logits, temperature, self.draft_to_target, self.head.config.vocab_size)
 
     @torch.no_grad()
     def draft(self, spec: TreeSpec, temperature: float = 0.0, generator: Optional[torch.Generator] = None) -> DraftTree:
@@ -114,3 +124,51 @@ class EagleDrafter:
             return build_draft_tree(self.root_token, root_logprobs, expand, spec, sampled)
         finally:
             self.cache.crop(n_seen)  # drop the speculative entries: the cache holds the accepted prefix only
+
+
+class MedusaDrafter:
+    """Medusa heads (pipeline/heads/medusa.py) as a drafter. From the target's final feature at the last
+    accepted position, head i scores the tokens at depth i + 1 below the root; the EAGLE-2 builder then keeps
+    each frontier node's top_k children by cumulative score, the same head's distribution for every parent,
+    so the tree is Medusa's cartesian product of per-head candidates pruned to the best `total_tokens`.
+    Paths are at most K deep (depth is capped at K - 1 expansions)."""
+
+    feature_layers: tuple[int, ...] = (-1,)
+
+    def __init__(self, head: torch.nn.Module):
+        self.head = head.eval()
+        self.param = next(head.parameters())
+        self.draft_to_target = vocab_map(head)
+
+    @torch.no_grad()
+    def _read(self, state: torch.Tensor, root_token: int) -> None:
+        self.logits = [lg[0] for lg in self.head(state[None].to(self.param.device))]  # K x [V_draft]
+        self.root_token = root_token
+
+    def start(self, input_ids: torch.Tensor, states: Optional[torch.Tensor], next_token: int) -> None:
+        self._read(states[-1], next_token)  # the state at n - 1, whose lm_head gave the root
+
+    def accept(self, states: Optional[torch.Tensor], next_tokens: torch.Tensor) -> None:
+        self._read(states[-1], int(next_tokens[-1]))  # the last accepted node's state; the bonus is the root
+
+    @torch.no_grad()
+    def draft(self, spec: TreeSpec, temperature: float = 0.0, generator: Optional[torch.Generator] = None) -> DraftTree:
+        spec = TreeSpec(spec.top_k, min(spec.depth, len(self.logits) - 1), spec.total_tokens)
+        sampled = _sampled_chain(spec, temperature, generator)
+        temp = temperature if sampled is not None else 0.0
+        vocab = self.head.config.vocab_size
+        rows = [target_logprobs(lg, temp, self.draft_to_target, vocab) for lg in self.logits]
+        round_ = iter(range(1, len(rows)))
+
+        def expand(tokens: torch.Tensor, parent_slot: torch.Tensor) -> torch.Tensor:
+            return rows[next(round_)].expand(len(tokens), -1)  # [F, V]: heads ignore the drafted tokens
+
+        return build_draft_tree(self.root_token, rows[0], expand, spec, sampled)
+
+
+DRAFTERS = {"eagle": EagleDrafter, "medusa": MedusaDrafter}
+
+
+def make_drafter(head: torch.nn.Module):
+    """The drafter of a trained head's kind (HeadSpec.drafter)."""
+    return DRAFTERS[head_spec(head.config.kind).drafter](head)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from pipeline.data.chat import render_prompt, stop_token_ids
 from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.eval.decoder import GenerationResult, generate, mean_accepted_tokens, vanilla_generate
-from pipeline.eval.drafter import EagleDrafter
+from pipeline.eval.drafter import Drafter
 from pipeline.eval.questions import Question
 
 log = logging.getLogger(__name__)
@@ -49,16 +49,15 @@ class TurnRecord:
         return mean_accepted_tokens(self.accept_lengths) if self.accept_lengths else 0.0
 
 
-def answer_questions(target, head, questions: Iterable[Question], cfg: EvalConfig, tree: TreeConfig,
+def answer_questions(target, drafter: Drafter, questions: Iterable[Question], cfg: EvalConfig, tree: TreeConfig,
                      system_prompt: Optional[str] = None, progress=None,
                      deadline: Optional[float] = None, fp32_model=None) -> list[TurnRecord]:
-    """Answer every question (all its turns) with the tree decoder, plus the vanilla baseline on the first
+    """Answer every question (all its turns) with the tree decoder and `drafter`, plus the vanilla baseline on the first
     `cfg.baseline_limit` questions (also with `fp32_model`, an fp32 copy of the target, when given).
     `progress` (EvalProgress) supplies finished questions and records new
     ones; once a question ends past `deadline` (time.monotonic()) no new one starts: the result may be partial."""
     model, tokenizer = target.model, target.tokenizer
     eos = set(stop_token_ids(tokenizer, model))
-    drafter = EagleDrafter(head)
     done = progress.done if progress is not None else {}
     records = []
     questions = list(questions)

@@ -7,16 +7,23 @@ import json
 import logging
 import time
 
+import torch
+
 from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.eval.autotree import choose_tree
+from pipeline.eval.drafter import make_drafter
 from pipeline.eval.evaluate import answer_questions, record_dict
+from pipeline.eval.lookup import PromptLookupDrafter
 from pipeline.eval.progress import EvalProgress
 from pipeline.eval.questions import load_questions
 from pipeline.eval.report import format_summary, log_wandb, plot_summary, summarize
 from pipeline.heads.io import load_head
-from pipeline.manifest import MANIFEST, digest_file, load_manifest, to_plain, write_manifest
+from pipeline.manifest import MANIFEST, atomic_write_text, digest_file, load_manifest, to_plain, write_manifest
 from pipeline.target import load_target
 
 log = logging.getLogger(__name__)
+TREE_CHOICE = "tree_choice.json"
 
 
 def fp32_baseline_model(cfg, target):
@@ -28,35 +35,74 @@ def fp32_baseline_model(cfg, target):
     return load_target(dataclasses.replace(cfg.target, dtype="float32")).model
 
 
+def build_drafter(cfg, target):
+    """The drafter of eval.drafter, what the summary says of it, and the stage dirs it read (their manifests
+    go into the eval's identity and its manifest's inputs)."""
+    if cfg.eval.drafter == "prompt_lookup":
+        lk = cfg.eval.lookup
+        info = {"name": "prompt_lookup", "kind": "prompt_lookup", "max_ngram": lk.max_ngram, "min_ngram": lk.min_ngram}
+        return PromptLookupDrafter(lk.max_ngram, lk.min_ngram), info, []
+    train_dir = cfg.stage_dir("train")
+    train_manifest = load_manifest(train_dir, expect_stage="train")
+    head = load_head(train_dir, target)  # refuses a head trained on another target
+    info = {"name": cfg.head.name, "kind": head.config.kind,
+            "train_manifest_code_version": train_manifest.get("code_version"), "config": head.config.to_dict()}
+    return make_drafter(head), info, [train_dir]
+
+
+def tree_choice(cfg, target, drafter, questions, out_dir, resumed: bool) -> dict:
+    """The tree of tree.depth/total_tokens=-1 (autotree.py), measured once per run: kept beside the partial
+    answers, so a resumed eval answers its remaining questions with the tree its first ones had."""
+    path = out_dir / TREE_CHOICE
+    if resumed and path.is_file():
+        return json.loads(path.read_text())
+    t = cfg.tree
+    prompts = [torch.tensor(render_prompt(target.tokenizer, ([{"role": "system", "content": q.system}] if q.system
+                                                             else []) + [{"role": "user", "content": q.turns[0]}],
+                                          system_prompt=cfg.data.system_prompt))
+               for q in questions[:t.auto_prompts]]
+    choice = choose_tree(target.model, drafter, prompts, t.top_k, t.depth, t.total_tokens, t.max_depth,
+                         t.max_total_tokens, t.auto_max_new_tokens,
+                         set(stop_token_ids(target.tokenizer, target.model))).as_dict()
+    atomic_write_text(path, json.dumps(choice, indent=1) + "\n")
+    return choice
+
+
 def main(cfg) -> dict:
     t0 = time.perf_counter()
-    train_dir, out_dir = cfg.stage_dir("train"), cfg.stage_dir("eval")
-    train_manifest = load_manifest(train_dir, expect_stage="train")
+    out_dir = cfg.stage_dir("eval")
     target = load_target(cfg.target)
-    head = load_head(train_dir, target)  # refuses a head trained on another target
+    drafter, drafter_info, inputs = build_drafter(cfg, target)
     report = BadRecordReport()
     questions = load_questions(cfg.eval.questions, cfg.eval.limit, report, cfg.data.on_bad_record)
     settings = {"top_k": cfg.tree.top_k, "depth": cfg.tree.depth, "total_tokens": cfg.tree.total_tokens,
                 "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
                 "device": str(target.device), "dtype": target.precision,
-                "questions": cfg.eval.questions or "demo", "head": cfg.head.name}
+                "questions": cfg.eval.questions or "demo", "head": cfg.eval_subject}
     identity = {"settings": settings, "seed": cfg.eval.seed, "baseline": cfg.eval.baseline,
                 "baseline_limit": cfg.eval.baseline_limit, "system_prompt": cfg.data.system_prompt,
-                "head_manifest_sha256": digest_file(train_dir / MANIFEST),
+                **({"head_manifest_sha256": digest_file(inputs[0] / MANIFEST)} if inputs else
+                   {"drafter": drafter_info}),
                 "questions_sha256": hashlib.sha256(json.dumps([[q.id, q.system, q.turns] for q in questions])
                                                    .encode()).hexdigest()}
     progress = EvalProgress(out_dir, identity, cfg.eval.overwrite)
+    tree, choice = cfg.tree, None
+    if cfg.tree.is_auto:
+        choice = tree_choice(cfg, target, drafter, questions, out_dir, resumed=bool(progress.done))
+        tree = dataclasses.replace(cfg.tree, depth=choice["depth"], total_tokens=choice["total_tokens"])
     deadline = None if cfg.eval.time_budget_s is None else time.monotonic() + cfg.eval.time_budget_s
-    records = answer_questions(target, head, questions, cfg.eval, cfg.tree, system_prompt=cfg.data.system_prompt,
-                               progress=progress, deadline=deadline, fp32_model=fp32_baseline_model(cfg, target))
+    records = answer_questions(target, drafter, questions, cfg.eval, tree,
+                               system_prompt=cfg.data.system_prompt, progress=progress, deadline=deadline,
+                               fp32_model=fp32_baseline_model(cfg, target))
     # A draft path holds up to depth + 1 tokens (EAGLE's round 0 plus `depth` expansions): report every level.
-    summary = summarize(records, settings, cfg.tree.depth + 1)
+    summary = summarize(records, settings, tree.depth + 1)
+    if choice is not None:
+        summary["tree_choice"] = choice
     n_done = len({r.question_id for r in records})
     summary.update(questions=len(questions), questions_done=n_done, complete=n_done == len(questions))
     summary["target"] = target.fingerprint
-    summary["head"] = {"name": cfg.head.name, "kind": head.config.kind,
-                       "train_manifest_code_version": train_manifest.get("code_version"),
-                       "config": head.config.to_dict()}
+    summary["head"] = drafter_info
+    subject = f"{cfg.name}/{cfg.eval_subject}/{cfg.eval_run_name}"
     if not summary["complete"]:  # no answers.jsonl or manifest: the next stage must not take a partial eval
         (out_dir / "summary.partial.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
     else:
@@ -65,16 +111,16 @@ def main(cfg) -> dict:
             for rec in records:
                 f.write(json.dumps(record_dict(rec), ensure_ascii=False) + "\n")
         (out_dir / "summary.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
-        plot_summary(summary, out_dir / "tau.png", title=f"{cfg.name} / {cfg.head.name} / {cfg.eval_run_name}")
-        log_wandb(cfg.wandb, out_dir, summary, f"{cfg.name}-{cfg.head.name}-{cfg.eval_run_name}",
+        plot_summary(summary, out_dir / "tau.png", title=subject.replace("/", " / "))
+        log_wandb(cfg.wandb, out_dir, summary, subject.replace("/", "-"),
                   to_plain({"eval": cfg.eval, "tree": cfg.tree, "head": cfg.head, "target": cfg.target}))
         write_manifest(out_dir, "eval", config={"eval": cfg.eval, "tree": cfg.tree, "head": cfg.head,
                                                 "target": cfg.target},
                        counts={"questions": len(questions), "turns": len(records),
                                "new_tokens": summary["new_tokens"], "bad_records": report.to_dict()},
                        timings={"total_s": time.perf_counter() - t0, "spec_wall_s": summary["spec_wall_s"]},
-                       inputs=[train_dir], target=target.fingerprint, precision=target.precision,
+                       inputs=inputs, target=target.fingerprint, precision=target.precision,
                        tau=summary["tau"],
                        speedup=summary.get("speedup"))
-    print(f"[eval] {cfg.name}/{cfg.head.name}/{cfg.eval_run_name} -> {out_dir}\n{format_summary(summary)}")
+    print(f"[eval] {subject} -> {out_dir}\n{format_summary(summary)}")
     return summary

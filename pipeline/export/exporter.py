@@ -81,8 +81,8 @@ def model_architectures(model: nn.Module) -> list[str]:
 
 def export_state(head: nn.Module, form: ExportFormat, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors under the format's names; floating tensors in `dtype`, the vocabulary maps as they
-    are (int64 d2t, bool t2d). The fc column blocks of a head fusing target layers are put in ascending layer
-    order."""
+    are (int64 d2t, bool t2d). The fc column blocks of a head fusing target layers (and EAGLE-3.1's per-state
+    norms) are put in ascending layer order."""
     state = {}
     for name, tensor in head.state_dict().items():
         out_name = form.to_format(name)
@@ -91,6 +91,9 @@ def export_state(head: nn.Module, form: ExportFormat, dtype: torch.dtype) -> dic
         tensor = tensor.detach().to("cpu")
         if name == "fc.weight" and head.config.aux_layer_ids:
             tensor = _fc_in_layer_order(tensor, head.config.aux_layer_ids)
+        if name.startswith("fc_norm."):  # EAGLE-3.1: norm k goes with fused state k, wherever its block moves
+            k = int(name.split(".")[1])
+            out_name = form.to_format(f"fc_norm.{aux_order(head.config.aux_layer_ids).index(k)}.weight")
         state[out_name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
     return state
 

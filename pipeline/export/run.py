@@ -34,7 +34,7 @@ def main(cfg) -> Path:
     form = format_for_head(ecfg.format, head.config.kind)
     ctx = ExportContext(target.num_layers, verifier_name(cfg), tuple(model_architectures(target.model)),
                         ecfg.speculative_tokens, str(ecfg.sglang_aux_convention),
-                        (cfg.tree.top_k, cfg.tree.depth, cfg.tree.total_tokens))
+                        cfg.tree.fixed("export's serve command"))
     out = export_head(head, export_root / form.name, form.name, dtype, num_target_layers=ctx.num_target_layers,
                       verifier=ctx.verifier, verifier_architectures=ctx.verifier_architectures,
                       speculative_tokens=ctx.speculative_tokens, sglang_aux_convention=ctx.sglang_aux_convention,
@@ -50,6 +50,12 @@ def main(cfg) -> Path:
         print(f"round trip ({DTYPE_NAMES[dtype]}): max |logits(export) - logits(checkpoint)| = "
               f"{counts['max_logit_diff']:.3g}")
     form.warn(head.config.aux_layer_ids, ctx)
+    if head.config.fc_norm or head.config.norm_output:
+        # Loaders that predate EAGLE-3.1 skip tensors they do not know and ignore the two keys: such a server
+        # loads this head without complaint and drafts with it as a plain EAGLE-3, at a much lower tau.
+        log.warning("EAGLE-3.1 head (fc_norm=%s, norm_output=%s): serve it with a framework whose llama_eagle3 "
+                    "reads `fc_norm` and `norm_output` (docs/export.md); older ones load it silently as EAGLE-3",
+                    head.config.fc_norm, head.config.norm_output)
     write_manifest(out, "export", config={"export": ecfg, "head": cfg.head, "target": cfg.target},
                    counts=counts, timings={"total_s": time.perf_counter() - t0}, inputs=[train_dir],
                    target=target.fingerprint, format=form.name, head_config=head.config.to_dict())

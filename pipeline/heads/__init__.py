@@ -1,6 +1,6 @@
-"""Draft heads: the modules (one file per kind, leaf to root: layers.py, then eagle1.py / eagle3.py), their
+"""Draft heads: the modules (one file per kind, leaf to root: layers.py, then eagle1.py / eagle3.py / medusa.py), their
 training objectives (losses.py, ttt.py), the draft vocabulary (vocab.py), the on-disk format (io.py), and the
 registry of kinds (registry.py). Importing the package registers every kind."""
-from . import eagle1, eagle3  # noqa: F401  (registration)
+from . import eagle1, eagle3, medusa  # noqa: F401  (registration)
 from .config import DraftHeadConfig, HeadConfig, default_aux_layer_ids  # noqa: F401
 from .registry import HEADS, HeadSpec, build_draft_head, head_spec, register_head  # noqa: F401

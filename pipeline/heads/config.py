@@ -38,6 +38,15 @@ class HeadConfig:
     lm_head_init: LmHeadInit = LmHeadInit.random
     rope_theta: float = 10000.0
     fc_bias: bool = False  # eagle1
+    # EAGLE-3.1 (eagle3): an RMSNorm on each fused target state before fc, and the final norm's output (not the
+    # pre-norm state) fed back as the next step's hidden. Config keys `fc_norm` / `norm_output` in both export
+    # dialects, as vLLM, SGLang and speculators read them.
+    fc_norm: bool = False
+    norm_output: bool = False
+    # medusa: K heads (head i predicts the token i + 2 ahead), each with L residual blocks; ttt_decay weighs
+    # head i's loss by decay**i (Medusa-1's 0.8).
+    medusa_num_heads: int = 4
+    medusa_num_layers: int = 1
     feature_loss_weight: float = 1.0  # eagle1
     token_loss_weight: float = 0.1  # eagle1
     feature_noise: float = 0.2  # eagle1: uniform noise scale on input features
@@ -66,6 +75,10 @@ class DraftHeadConfig:
     aux_layer_ids: list = field(default_factory=list)  # eagle3: input-to-layer ids (low, mid, high)
     fc_bias: bool = False  # eagle1 only (eagle3's fc never has a bias)
     hidden_act: str = "silu"
+    fc_norm: bool = False  # eagle3: EAGLE-3.1's per-layer RMSNorm on the fused states (fc_norm.{i})
+    norm_output: bool = False  # eagle3: EAGLE-3.1's post-norm state fed back across draft steps
+    medusa_num_heads: int = 4  # medusa (the Medusa repo's config names)
+    medusa_num_layers: int = 1
 
     def __post_init__(self) -> None:
         spec = head_spec(self.kind)
@@ -83,6 +96,9 @@ class DraftHeadConfig:
             raise ValueError(f"{self.kind} predicts over the full target vocabulary: draft_vocab_size == vocab_size")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError("draft_vocab_size cannot exceed the target vocab_size")
+        if (self.fc_norm or self.norm_output) and not spec.fuses_target_layers:
+            raise ValueError(f"fc_norm and norm_output are EAGLE-3.1 options of heads that fuse target layers, "
+                             f"not of {self.kind}")
 
     @classmethod
     def from_target(
@@ -94,6 +110,10 @@ class DraftHeadConfig:
         rope_theta: float = 10000.0,
         fc_bias: bool = False,
         max_position_embeddings: Optional[int] = None,
+        fc_norm: bool = False,
+        norm_output: bool = False,
+        medusa_num_heads: int = 4,
+        medusa_num_layers: int = 1,
     ) -> "DraftHeadConfig":
         """Dimensions from the target's HF config. `aux_layer_ids=None` takes `default_aux_layer_ids` for a
         head that fuses target layers; `draft_vocab_size=None` means the full target vocabulary."""
@@ -124,10 +144,23 @@ class DraftHeadConfig:
             aux_layer_ids=list(aux_layer_ids),
             fc_bias=fc_bias,
             hidden_act=getattr(t, "hidden_act", "silu"),
+            fc_norm=fc_norm,
+            norm_output=norm_output,
+            medusa_num_heads=medusa_num_heads,
+            medusa_num_layers=medusa_num_layers,
         )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, less the options a head does not use (EAGLE-3.1's when off, Medusa's on other kinds): a
+        plain head's config.json, and the checkpoint identity resumes compare, stay as they were before those
+        options existed; `from_dict` fills them back with their defaults."""
+        d = asdict(self)
+        for key in ("fc_norm", "norm_output"):
+            if not d[key]:
+                del d[key]
+        if self.kind != "medusa":
+            del d["medusa_num_heads"], d["medusa_num_layers"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftHeadConfig":

@@ -1,12 +1,16 @@
 """EAGLE-3 draft head, module-for-module identical to the official head (SafeAILab/EAGLE
 eagle/traineagle3/cnets.py) so the exported weights load into SGLang/vLLM's LlamaForCausalLMEagle3:
 
+    fc_norm            EAGLE-3.1 only (config.fc_norm): an RMSNorm per fused state, before fc
     fc                 Linear(3*H_target -> H, no bias) on the fused (low, mid, high) target states
                        (aux_layer_ids, input-to-layer ids; default `default_aux_layer_ids`)
     midlayer           one decoder layer whose attention reads cat(input_layernorm(emb), hidden_norm(hidden))
     norm, lm_head      final RMSNorm and Linear(H -> draft vocab)
     embed_tokens       frozen copy of the target embedding
     d2t, t2d           draft<->target vocabulary maps
+
+EAGLE-3.1's `norm_output` (config.norm_output) feeds the next draft step (and TTT round) the final norm's output
+instead of the pre-norm midlayer output; the logits then read that state without a second norm.
 """
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
         super().__init__()
         self._init_head(config, "eagle3")
         h = config.hidden_size
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                         for _ in config.aux_layer_ids)
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -58,19 +65,25 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
 
     def fuse(self, target_states: torch.Tensor) -> torch.Tensor:
         """aux states [B,T,3*H_target] (low, mid, high) -> [B,T,H]."""
-        return self.fc(target_states.to(self.fc.weight.dtype))
+        x = target_states.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            chunks = x.split(self.config.target_hidden_size, dim=-1)  # 3 x [B,T,H_target]
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(x)
 
     def layer(
         self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
-        """One midlayer pass with a given attention kernel -> pre-norm output [B,T,H]."""
+        """One midlayer pass with a given attention kernel -> the state fed to the next step [B,T,H]: the
+        pre-norm output, or with norm_output the final norm's output."""
         emb = self.embed(input_ids).to(hidden.dtype)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        return self.midlayer(emb, hidden, cos, sin, attend)
+        out = self.midlayer(emb, hidden, cos, sin, attend)
+        return self.norm(out) if self.config.norm_output else out
 
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
-        """pre-norm output [..., H] -> draft-vocabulary logits [..., V_draft]."""
-        return self.lm_head(self.norm(out_hidden))
+        """`layer`'s output [..., H] -> draft-vocabulary logits [..., V_draft] (normed once either way)."""
+        return self.lm_head(out_hidden if self.config.norm_output else self.norm(out_hidden))
 
     def forward_hidden(
         self,

@@ -30,11 +30,9 @@ class HeadSpec:
     # Target layers the head fuses (the dump's aux states); 0: it reads the target's final hidden state.
     num_aux_layers: int
     full_vocab: bool  # predicts over the target vocabulary (no draft vocabulary of its own)
-    export_formats: tuple[str, ...]  # pipeline/export/formats/ names; the first is the default
-
-    def __post_init__(self) -> None:
-        if not self.export_formats:
-            raise ValueError(f"HeadSpec {self.kind}: name at least one export format")
+    # pipeline/export/formats/ names, the first the default; none: an eval-only baseline (medusa)
+    export_formats: tuple[str, ...]
+    drafter: str = "eagle"  # how eval drafts with it: pipeline/eval/drafter.py DRAFTERS
 
     @property
     def fuses_target_layers(self) -> bool:

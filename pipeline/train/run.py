@@ -77,8 +77,7 @@ def train(cfg, par: Parallel) -> dict:
     tau_probe = None
     if par.is_main and tcfg.tau_prompts > 0:
         prompts = [p for p in (prompt_of(reader[i]) for i in val_idx) if p is not None][:tcfg.tau_prompts]
-        tau_probe = TauProbe(target.model, prompts, tcfg.tau_max_new_tokens, cfg.tree.top_k, cfg.tree.depth,
-                             cfg.tree.total_tokens)
+        tau_probe = TauProbe(target.model, prompts, tcfg.tau_max_new_tokens, *cfg.tree.fixed("train's tau probe"))
     if tau_probe is None and not online:
         target.model = None  # nothing decodes on this rank: keep only the frozen weights copied out of it
 
@@ -138,7 +137,8 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
                                   target.model.config.vocab_size, hcfg.draft_vocab_size)
     config = DraftHeadConfig.from_target(
         target.model.config, hcfg.kind, draft_vocab_size=vocab.size if vocab else None,
-        aux_layer_ids=layer_ids, rope_theta=hcfg.rope_theta, fc_bias=hcfg.fc_bias)
+        aux_layer_ids=layer_ids, rope_theta=hcfg.rope_theta, fc_bias=hcfg.fc_bias, fc_norm=hcfg.fc_norm,
+        norm_output=hcfg.norm_output, medusa_num_heads=hcfg.medusa_num_heads, medusa_num_layers=hcfg.medusa_num_layers)
     seed_everything(cfg.train.seed)  # same initial weights on every rank and every rerun
     head = build_draft_head(config)
     head.copy_from_target(target.model)

@@ -218,6 +218,9 @@ def format_for_head(name: Optional[str], kind: str) -> ExportFormat:
     from pipeline.heads import head_spec
 
     allowed = head_spec(kind).export_formats
+    if not allowed:
+        raise ExportError(f"{kind} heads have no serving export in eaglet (an eval baseline): evaluate them with "
+                          f"stage=eval")
     fmt = export_format(name or allowed[0])
     if fmt.name not in allowed:
         raise ExportError(f"export.format={fmt.name} holds {fmt.kind} heads, but this head is {kind}: "

@@ -55,10 +55,22 @@ def sglang_layers_agree(ids: Sequence[int]) -> bool:
 
 
 def eagle3_rest(c: DraftHeadConfig) -> dict[str, tuple[int, ...]]:
-    """The EAGLE-3 tensors outside the decoder layer (shared with the vllm format)."""
+    """The EAGLE-3 tensors outside the decoder layer (shared with the vllm format), with EAGLE-3.1's per-state
+    norms `fc_norm.{i}` (vLLM's and SGLang's module names) when the head has them."""
     h, v, vd = c.hidden_size, c.vocab_size, c.draft_vocab_size
-    return {"fc.weight": (h, 3 * c.target_hidden_size), "norm.weight": (h,), "lm_head.weight": (vd, h),
+    fc_norm = {f"fc_norm.{i}.weight": (c.target_hidden_size,) for i in range(3)} if c.fc_norm else {}
+    return {**fc_norm, "fc.weight": (h, 3 * c.target_hidden_size), "norm.weight": (h,), "lm_head.weight": (vd, h),
             "d2t": (vd,), "t2d": (v,)}
+
+
+def eagle31_fields(c: DraftHeadConfig) -> dict[str, bool]:
+    """EAGLE-3.1's config keys, written only when on: an EAGLE-3 export stays as it was. vLLM's and SGLang's
+    llama_eagle3 read both at the top level of config.json (`getattr(config, "fc_norm" / "norm_output")`)."""
+    return {k: True for k in ("fc_norm", "norm_output") if getattr(c, k)}
+
+
+def read_eagle31_fields(cfg: dict) -> dict[str, bool]:
+    return {k: bool(cfg.get(k, False)) for k in ("fc_norm", "norm_output")}
 
 
 class SGLangEagle3(ExportFormat):
@@ -73,7 +85,7 @@ class SGLangEagle3(ExportFormat):
 
     def write_config(self, c: DraftHeadConfig, dtype: torch.dtype, ctx: ExportContext) -> dict[str, Any]:
         cfg = {"architectures": [self.architecture], **llama_fields(c), "draft_vocab_size": c.draft_vocab_size,
-               "target_hidden_size": c.target_hidden_size, "torch_dtype": DTYPE_NAMES[dtype]}
+               "target_hidden_size": c.target_hidden_size, **eagle31_fields(c), "torch_dtype": DTYPE_NAMES[dtype]}
         # Default layers: say nothing, so SGLang (and vLLM, which also loads this architecture) use their
         # default [2, L//2, L-3] -- the same inputs -- with no numbering to get wrong.
         if list(c.aux_layer_ids) != default_aux_layer_ids(ctx.num_target_layers):
@@ -88,7 +100,7 @@ class SGLangEagle3(ExportFormat):
                else default_aux_layer_ids(num_target_layers))
         return DraftHeadConfig(kind="eagle3", draft_vocab_size=cfg["draft_vocab_size"],
                                target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
-                               aux_layer_ids=sorted(ids), **llama_config_fields(cfg))
+                               aux_layer_ids=sorted(ids), **read_eagle31_fields(cfg), **llama_config_fields(cfg))
 
     def config_problems(self, cfg: dict) -> list[str]:
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

@@ -20,7 +20,7 @@ from .base import (
     register_format,
     vllm_command,
 )
-from .sglang import EAGLE3_NORMS, eagle3_rest
+from .sglang import EAGLE3_NORMS, eagle3_rest, eagle31_fields, read_eagle31_fields
 
 
 class VLLMSpeculatorsEagle3(ExportFormat):
@@ -59,6 +59,9 @@ class VLLMSpeculatorsEagle3(ExportFormat):
             # vLLM's ids are input indices (LlamaModel.forward captures hidden_states + residual before running
             # layer idx): eaglet's own numbering.
             "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+            # speculators' --fc-norm / --norm-output write these top-level keys, which vLLM's speculators
+            # adapter carries into the draft config (norm_output since vLLM PR #46488).
+            **eagle31_fields(c),
             "torch_dtype": DTYPE_NAMES[dtype],
         }
 
@@ -74,7 +77,7 @@ class VLLMSpeculatorsEagle3(ExportFormat):
         ids = cfg.get("eagle_aux_hidden_state_layer_ids") or default_aux_layer_ids(num_target_layers)
         return DraftHeadConfig(kind="eagle3", draft_vocab_size=cfg["draft_vocab_size"],
                                target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"],
-                               aux_layer_ids=sorted(ids), **llama_config_fields(t))
+                               aux_layer_ids=sorted(ids), **read_eagle31_fields(cfg), **llama_config_fields(t))
 
     def config_problems(self, cfg: dict) -> list[str]:
         problems = super().config_problems(cfg)
