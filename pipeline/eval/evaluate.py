@@ -80,10 +80,15 @@ def answer_questions(target, drafter: Drafter, questions: Iterable[Question], cf
     return records
 
 
+def system_messages(q: Question) -> list[dict]:
+    """The chat a question's first turn starts from: its own system prompt, if it has one."""
+    return [{"role": "system", "content": q.system}] if q.system else []
+
+
 def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, tree: TreeConfig, eos: set[int],
             system_prompt: Optional[str], with_baseline: bool, bar, fp32_model=None) -> list[TurnRecord]:
     """All turns of one question; later turns see the speculative answers as history."""
-    messages = [{"role": "system", "content": q.system}] if q.system else []
+    messages = system_messages(q)
     records = []
     for ti, user in enumerate(q.turns):
         messages.append({"role": "user", "content": user})

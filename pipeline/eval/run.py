@@ -13,7 +13,7 @@ from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import render_prompt, stop_token_ids
 from pipeline.eval.autotree import choose_tree
 from pipeline.eval.drafter import make_drafter
-from pipeline.eval.evaluate import answer_questions, record_dict
+from pipeline.eval.evaluate import answer_questions, record_dict, system_messages
 from pipeline.eval.lookup import PromptLookupDrafter
 from pipeline.eval.progress import EvalProgress
 from pipeline.eval.questions import load_questions
@@ -57,10 +57,9 @@ def tree_choice(cfg, target, drafter, questions, out_dir, resumed: bool) -> dict
     if resumed and path.is_file():
         return json.loads(path.read_text())
     t = cfg.tree
-    prompts = [torch.tensor(render_prompt(target.tokenizer, ([{"role": "system", "content": q.system}] if q.system
-                                                             else []) + [{"role": "user", "content": q.turns[0]}],
-                                          system_prompt=cfg.data.system_prompt))
-               for q in questions[:t.auto_prompts]]
+    first_turns = [system_messages(q) + [{"role": "user", "content": q.turns[0]}] for q in questions[:t.auto_prompts]]
+    prompts = [torch.tensor(render_prompt(target.tokenizer, m, system_prompt=cfg.data.system_prompt))
+               for m in first_turns]
     choice = choose_tree(target.model, drafter, prompts, t.top_k, t.depth, t.total_tokens, t.max_depth,
                          t.max_total_tokens, t.auto_max_new_tokens,
                          set(stop_token_ids(target.tokenizer, target.model))).as_dict()
