@@ -55,6 +55,40 @@ def digest_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def file_problem(path: Path, size: Optional[int], sha256: Optional[str]) -> Optional[str]:
+    """What is wrong with a file against its recorded size and sha256 (None: not checked): missing,
+    truncated/extended, or corrupt. None when it matches."""
+    from pipeline.target import file_sha256
+
+    path = Path(path)
+    if not path.is_file():
+        return "missing"
+    if size is not None and path.stat().st_size != size:
+        return f"{path.stat().st_size} bytes, recorded {size} (truncated?)"
+    if sha256 is not None and (sha := file_sha256(path)) != sha256:
+        return f"sha256 {sha[:16]}... but recorded {sha256[:16]}... (corrupt)"
+    return None
+
+
+def file_digests(directory: Path, names: Optional[Iterable[str]] = None) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} of `names` in `directory`, or of every file below it (relative paths);
+    what `check_files` holds a directory to when it is loaded again."""
+    from pipeline.target import file_sha256
+
+    directory = Path(directory)
+    if names is None:
+        names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+    return {n: {"bytes": (directory / n).stat().st_size, "sha256": file_sha256(directory / n)} for n in names}
+
+
+def check_files(directory: Path, recorded: dict, what: str, repair: str) -> None:
+    """Refuses a directory whose files differ from `file_digests` as recorded, naming every bad file."""
+    problems = [f"{name}: {p}" for name, rec in sorted(recorded.items())
+                if (p := file_problem(Path(directory) / name, rec["bytes"], rec["sha256"]))]
+    if problems:
+        raise ManifestError(f"{what} {directory}: " + "; ".join(problems) + f"; {repair}")
+
+
 def default_cache_root() -> Path:
     """eaglet's cache ($EAGLET_CACHE or ~/.cache/eaglet): dequantized targets, llama-server, precision."""
     return Path(os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet").expanduser()

@@ -5,6 +5,7 @@ Composes the Hydra config, converts it to the typed `EagletConfig`, and hands it
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib
 import logging
 import os
@@ -15,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import STAGES, EagletConfig
+from pipeline.lock import OutputLock
 
 STAGE_MODULES = {
     "regen": "pipeline.regen.run",
@@ -46,7 +48,9 @@ def run_stages(cfg: EagletConfig) -> None:
     mains = [(s, stage_main(s)) for s in stages]
     for stage, main in mains:
         log.info("=== stage %s (experiment %s) ===", stage, cfg.name)
-        main(dataclasses.replace(cfg, stage=stage))
+        staged = dataclasses.replace(cfg, stage=stage)
+        with OutputLock(staged.stage_dir(stage), stage):  # one writer per output folder (pipeline/lock.py)
+            main(staged)
 
 
 register_configs()
@@ -63,12 +67,24 @@ def main(dcfg: DictConfig) -> None:
             raise
         # Errors eaglet raises on purpose (bad input, mismatched manifests, refused exports) already say
         # what and where; a traceback would bury that. EAGLET_TRACEBACK=1 shows it anyway.
-        print(f"eaglet: {cfg.stage}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"eaglet: {cfg.stage}: {user_message(e)}", file=sys.stderr)
         sys.exit(1)
 
 
 def is_user_error(e: BaseException) -> bool:
-    return type(e).__module__.startswith("pipeline.") or isinstance(e, FileNotFoundError)
+    return type(e).__module__.startswith("pipeline.") or isinstance(e, FileNotFoundError) or disk_full(e)
+
+
+def disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def user_message(e: BaseException) -> str:
+    if disk_full(e):
+        # Every writer renames complete files into place, so what the next stage reads is never a torn file.
+        return (f"no space left on the device writing {e.filename or 'an output file'} ({e.strerror}); free space "
+                f"and rerun the same command: it resumes from what was completed")
+    return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

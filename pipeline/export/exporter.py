@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from pipeline.heads import build_draft_head, head_spec
+from pipeline.heads.io import check_finite
+from pipeline.manifest import MANIFEST, check_files, load_manifest
 from pipeline.target import Target
 
 from .formats import (
@@ -125,6 +127,16 @@ def _write_atomically(out_dir: Path, doc: dict, state: dict[str, torch.Tensor]) 
 # check
 
 
+def check_export_files(export_dir: Path) -> None:
+    """An export eaglet wrote carries its files' digests in its manifest: refuse it if they changed since. A
+    bare export (config.json + weights copied elsewhere) is checked by `check_export` only."""
+    path = Path(export_dir) / MANIFEST
+    if path.is_file():
+        recorded = load_manifest(export_dir, expect_stage="export").get("files")
+        if recorded:
+            check_files(export_dir, recorded, "export", "rerun the export stage to rewrite it")
+
+
 def read_config(export_dir: Path) -> dict:
     path = Path(export_dir) / CONFIG
     if not path.is_file():
@@ -212,10 +224,13 @@ def load_export(export_dir: Path, target, device: Optional[torch.device] = None,
     from safetensors.torch import load_file
 
     export_dir = Path(export_dir)
+    check_export_files(export_dir)
     check_export(export_dir)
     cfg = read_config(export_dir)
     form = detect_format(cfg)
-    state = {form.from_format(k): v for k, v in load_file(str(export_dir / WEIGHTS)).items()}
+    raw = load_file(str(export_dir / WEIGHTS))
+    check_finite(raw, export_dir / WEIGHTS)
+    state = {form.from_format(k): v for k, v in raw.items()}
     model = target.model if isinstance(target, Target) else target
     config = form.read_config(cfg, model.config.num_hidden_layers, fc_bias="fc.bias" in state,
                               sglang_convention=str(sglang_aux_convention))

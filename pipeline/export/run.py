@@ -13,10 +13,19 @@ from pathlib import Path
 import torch
 
 from pipeline.heads.io import load_head
-from pipeline.manifest import load_manifest, write_manifest
+from pipeline.manifest import file_digests, load_manifest, write_manifest
 from pipeline.target import load_target
 
-from .exporter import check_export, export_head, load_export, max_logit_diff, model_architectures, tensor_table
+from .exporter import (
+    CONFIG,
+    WEIGHTS,
+    check_export,
+    export_head,
+    load_export,
+    max_logit_diff,
+    model_architectures,
+    tensor_table,
+)
 from .formats import DTYPE_NAMES, ExportContext, ExportError, format_for_head, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -58,7 +67,8 @@ def main(cfg) -> Path:
                     head.config.fc_norm, head.config.norm_output)
     write_manifest(out, "export", config={"export": ecfg, "head": cfg.head, "target": cfg.target},
                    counts=counts, timings={"total_s": time.perf_counter() - t0}, inputs=[train_dir],
-                   target=target.fingerprint, format=form.name, head_config=head.config.to_dict())
+                   target=target.fingerprint, format=form.name, head_config=head.config.to_dict(),
+                   files=file_digests(out, [CONFIG, WEIGHTS]))
     path = str(Path(out).resolve())
     print("\n".join([f"export ({form.name}, {ecfg.dtype}): {path}",
                      *form.serve_commands(path, head.config.aux_layer_ids, ctx)]))

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.manifest import atomic_write_text, check_target, load_manifest
+from pipeline.manifest import ManifestError, atomic_write_text, check_files, check_target, load_manifest
 
 from .config import DraftHeadConfig
 from .registry import build_draft_head
@@ -42,11 +42,26 @@ def save_head(head: nn.Module, directory: Path) -> None:
     atomic_write_text(directory / HEAD_CONFIG, json.dumps(head.config.to_dict(), indent=2) + "\n")
 
 
+class NonFiniteWeights(ManifestError):
+    pass
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Refuses weights with NaN or inf, naming the tensors: such a head drafts garbage (tau 1) or worse."""
+    bad = [f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()} values)" for name, t in tensors.items()
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise NonFiniteWeights(f"{where}: non-finite weights in {', '.join(bad)}; retrain the head (train.on_nonfinite "
+                               f"stops a run at the first non-finite loss or gradient)")
+
+
 def load_head_weights(head: nn.Module, directory: Path) -> None:
     """Load `save_head` output into a freshly built head; anything missing must be a frozen target copy."""
     from safetensors.torch import load_file
 
-    missing, unexpected = head.load_state_dict(load_file(str(directory / HEAD_WEIGHTS)), strict=False)
+    state = load_file(str(directory / HEAD_WEIGHTS))
+    check_finite(state, directory / HEAD_WEIGHTS)
+    missing, unexpected = head.load_state_dict(state, strict=False)
     missing = set(missing) - frozen_names(head)
     if missing or unexpected:
         raise RuntimeError(f"{directory / HEAD_WEIGHTS}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
@@ -61,6 +76,10 @@ def load_head(train_dir: Path, target, device: Optional[torch.device] = None,
     manifest = load_manifest(train_dir, expect_stage="train")
     check_target(target.fingerprint, manifest, train_dir / "manifest.json")
     final = train_dir / FINAL
+    if "head_files" in manifest:  # heads trained before the digests were recorded load unchecked
+        check_files(final, manifest["head_files"], "trained head",
+                    f"delete {final} and {train_dir / 'manifest.json'} and rerun the train stage: it rewrites the "
+                    f"head from the last checkpoint")
     config = DraftHeadConfig.from_dict(json.loads((final / HEAD_CONFIG).read_text()))
     head = build_draft_head(config)
     load_head_weights(head, final)

@@ -24,8 +24,7 @@ import torch
 
 from pipeline.hidden_states.capture import CONVENTION
 from pipeline.hidden_states.shards import DTYPES, FORMAT_NAME, FORMAT_VERSION, META_KEY
-from pipeline.manifest import MANIFEST, ManifestError, check_equal, check_target, load_manifest
-from pipeline.target import file_sha256
+from pipeline.manifest import MANIFEST, ManifestError, check_equal, check_target, file_problem, load_manifest
 
 
 @dataclass
@@ -90,8 +89,13 @@ class DumpReader:
     _CACHE_BATCHES = 64  # parsed record-batch layouts kept (bounded: memory must not grow with the dump)
 
     def __init__(self, dump_dir: Union[str, Path], expect_target: Optional[dict] = None,
-                 expect_layer_ids: Optional[Sequence[int]] = None, expect_tokenizer_digest: Optional[str] = None):
+                 expect_layer_ids: Optional[Sequence[int]] = None, expect_tokenizer_digest: Optional[str] = None,
+                 verify: bool = True):
+        """`verify`: check every shard's sha256 against the manifest before any row is read (a flipped byte
+        on a shared filesystem must never train); bench/bench_integrity.py measures its cost against a
+        training epoch. False only for callers that verified the dump otherwise."""
         self.dir = Path(dump_dir)
+        self.verify_digests = verify
         self.manifest = load_manifest(self.dir, expect_stage="dump")
         self._check_manifest(expect_target, expect_layer_ids, expect_tokenizer_digest)
         self.layer_ids: list[int] = list(self.manifest["layers"]["ids"])
@@ -124,12 +128,10 @@ class DumpReader:
         """Row -> (shard, batch, row in batch) and lengths, from the token offsets only (no state pages)."""
         shard_ix, batch_ix, row_ix, lengths = [], [], [], []
         for s, entry in enumerate(self.manifest["shards"]):
+            problem = shard_problem(self.dir, entry, digest=self.verify_digests)
+            if problem:
+                raise ManifestError(f"dump {self.dir}: shard {problem}; {REPAIR}")
             path = self.dir / entry["file"]
-            if not path.is_file():
-                raise ManifestError(f"{self.dir}: shard {entry['file']} is missing; rerun the dump stage")
-            if path.stat().st_size != entry["bytes"]:
-                raise ManifestError(f"{self.dir}: shard {entry['file']} has {path.stat().st_size} bytes, the "
-                                    f"manifest says {entry['bytes']}; run the dump stage with dump.verify=true")
             shard = self._shard(s)
             for key, want in (("layer_ids", self.layer_ids), ("hidden_size", self.hidden_size),
                               ("dtype", self.manifest["dtype"])):
@@ -195,6 +197,12 @@ class DumpReader:
             final_hidden=view.final[start:end],
         )
 
+    def locate(self, i: int) -> str:
+        """Row i as a person finds it: shard file, row within the shard, sample id."""
+        s, b, r = int(self._shard_ix[i]), int(self._batch_ix[i]), int(self._row_ix[i])
+        in_shard = int(((self._shard_ix == s) & (self._batch_ix < b)).sum()) + r
+        return f"{self.manifest['shards'][s]['file']} row {in_shard} (id {self[i].id})"
+
     def __iter__(self) -> Iterator[DumpSample]:
         for i in range(len(self)):
             yield self[i]
@@ -209,18 +217,20 @@ class DumpReader:
         return state
 
 
+# How to repair a bad shard: the dump stage rewrites exactly the shards whose files are gone (dump.py).
+REPAIR = "delete that shard file and rerun the dump stage: it rewrites the missing shards only"
+
+
+def shard_problem(dump_dir: Path, entry: dict, digest: bool = True) -> Optional[str]:
+    """What is wrong with one shard of the manifest (missing, size, and with `digest` its sha256), naming it;
+    None when it is intact."""
+    problem = file_problem(Path(dump_dir) / entry["file"], entry["bytes"], entry["sha256"] if digest else None)
+    return problem and f"{entry['file']}: {problem}"
+
+
 def verify_dump(dump_dir: Union[str, Path]) -> list[str]:
     """Rechecks every shard against the manifest (presence, size, sha256). Returns one line per bad shard,
     naming it; empty when the dump is intact."""
     dump_dir = Path(dump_dir)
     manifest = load_manifest(dump_dir, expect_stage="dump")
-    problems = []
-    for entry in manifest["shards"]:
-        path = dump_dir / entry["file"]
-        if not path.is_file():
-            problems.append(f"{entry['file']}: missing")
-        elif path.stat().st_size != entry["bytes"]:
-            problems.append(f"{entry['file']}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
-        elif (sha := file_sha256(path)) != entry["sha256"]:
-            problems.append(f"{entry['file']}: sha256 {sha[:16]}... but manifest says {entry['sha256'][:16]}...")
-    return problems
+    return [p for entry in manifest["shards"] if (p := shard_problem(dump_dir, entry))]

@@ -8,7 +8,7 @@ from pipeline.data.bad_records import BadRecordReport
 from pipeline.dist import rank_info, rank_target_config
 from pipeline.hidden_states.dump import DumpSummary, dump_hidden_states
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
-from pipeline.hidden_states.reader import verify_dump
+from pipeline.hidden_states.reader import REPAIR, verify_dump
 from pipeline.target import load_target
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,6 @@ def main(cfg) -> DumpSummary:
         problems = verify_dump(out_dir)
         if problems:
             raise DumpVerifyError(f"dump.verify: {len(problems)} bad shard(s) in {out_dir}:\n  " + "\n  ".join(problems)
-                                  + "\ndelete them and rerun the dump stage to rewrite them")
+                                  + f"\n{REPAIR}")
         log.info("dump.verify: all %d shards match their sha256", summary.shards)
     return summary

@@ -225,8 +225,13 @@ def sum_stats(stats: list[dict]) -> dict:
 
 def regen_sources(regen_dir: Path) -> list[SourceConfig]:
     """Data-layer sources of a finished regen run (the shards its manifest lists), for the next stage."""
-    from pipeline.manifest import load_manifest
+    from pipeline.manifest import ManifestError, file_problem, load_manifest
 
     manifest = load_manifest(regen_dir, expect_stage="regen")
+    for s in manifest["shards"]:  # a changed answer file would silently train on other text
+        if problem := file_problem(Path(regen_dir) / s["path"], None, s.get("sha256")):
+            done = RegenDir(regen_dir).done_path(int(Path(s["path"]).stem.removeprefix("shard-")))
+            raise ManifestError(f"regen {regen_dir}: shard {s['path']}: {problem}; delete it and {done}, then rerun "
+                                f"the regen stage: it regenerates that shard only")
     return [SourceConfig(path=str(Path(regen_dir) / s["path"]), format="sharegpt",
                          id_prefix=Path(s["path"]).stem) for s in manifest["shards"]]

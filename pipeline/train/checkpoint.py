@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pipeline.heads.io import load_head_weights, save_head
-from pipeline.manifest import atomic_write_text
+from pipeline.manifest import atomic_write_text, check_files, file_digests
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,9 @@ def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler
         _torch_save(scheduler.state_dict(), tmp / SCHEDULER)
     par.barrier()  # every rank's files are in place before the state file marks the checkpoint complete
     if par.is_main:
-        _write_json(tmp / TRAINER_STATE, trainer_state)
+        # The state file closes the checkpoint and records every other file's digest: a resume refuses a
+        # checkpoint whose bytes changed since (load_checkpoint).
+        _write_json(tmp / TRAINER_STATE, {**trainer_state, "files": file_digests(tmp)})
         _fsync_dir(tmp)
         if before_rename is not None:
             before_rename()
@@ -126,9 +128,15 @@ def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler
     return final
 
 
-def load_checkpoint(path: Path, par, model: nn.Module, optimizer, scheduler) -> dict:
-    """Restore what `save_checkpoint` wrote into an already prepared model/optimizer; returns trainer_state."""
+def load_checkpoint(path: Path, par, model: nn.Module, optimizer, scheduler, verify: bool = True) -> dict:
+    """Restore what `save_checkpoint` wrote into an already prepared model/optimizer; returns trainer_state.
+    `verify`: first check every file against the digests in its trainer_state.json (older checkpoints have
+    none), so a corrupt checkpoint stops the run, named, instead of resuming from garbage."""
     path = Path(path)
+    state = json.loads((path / TRAINER_STATE).read_text())
+    if verify and "files" in state:
+        check_files(path, state["files"], "checkpoint",
+                    f"delete {path} and rerun: training resumes from the checkpoint before it, or from the start")
     load_head_weights(par.unwrap(model).head, path)
     if par.deepspeed:
         par.load_engine_state(model, path)
@@ -138,7 +146,7 @@ def load_checkpoint(path: Path, par, model: nn.Module, optimizer, scheduler) -> 
     rng_file = path / f"rng-rank{par.rank}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than were saved; data order does not need it
         set_rng_state(torch.load(rng_file, weights_only=True))
-    return json.loads((path / TRAINER_STATE).read_text())
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -25,6 +25,11 @@ class MixedPrecision(Choice):
     bf16 = "bf16"
 
 
+class OnNonFinite(Choice):
+    fail = "fail"
+    skip = "skip"
+
+
 @dataclass
 class TrainConfig:
     source: TrainSource = TrainSource.dump
@@ -60,8 +65,15 @@ class TrainConfig:
     # A DeepSpeed JSON (e.g. conf/deepspeed/zero2.json); GPU only. Model code stays single-device either way.
     deepspeed_config: Optional[str] = None
     resume: bool = True  # continue from the last checkpoint in the train dir (false: refuse a non-empty dir)
+    # Check every dump shard's and the resumed checkpoint's sha256 before use (a corrupt file stops the run,
+    # naming it). Costs one read of the dump per run (bench/bench_integrity.py); false if you verify otherwise.
+    verify_inputs: bool = True
+    # A non-finite hidden state, loss or gradient: `fail` stops with the step, shard and row; `skip` leaves the
+    # rows (states) or the step (loss, gradient) out and counts them in the metrics (train/skipped_*).
+    on_nonfinite: OnNonFinite = OnNonFinite.fail
 
     def __post_init__(self) -> None:
         self.source = TrainSource.parse(self.source, "train.source")
         self.schedule = Schedule.parse(self.schedule, "train.schedule")
         self.mixed_precision = MixedPrecision.parse(self.mixed_precision, "train.mixed_precision")
+        self.on_nonfinite = OnNonFinite.parse(self.on_nonfinite, "train.on_nonfinite")

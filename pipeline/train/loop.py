@@ -139,6 +139,28 @@ def _announce(event: str, step: int) -> None:
         hook(event, step)
 
 
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def nonfinite_rows(batch: Batch) -> list[int]:
+    """Rows of a micro-batch whose states hold a NaN or inf (one reduction per tensor; per row only if any)."""
+    bad = torch.zeros(batch.input_ids.shape[0], dtype=torch.bool, device=batch.input_ids.device)
+    for states in (batch.final_hidden, batch.aux_hidden):
+        if states is not None and not bool(torch.isfinite(states).all()):
+            bad |= ~torch.isfinite(states).flatten(1).all(1)
+    return bad.nonzero().flatten().tolist()
+
+
+def blank_rows(batch: Batch, rows: list[int]) -> None:
+    """Leaves rows out of the loss without changing the batch's shape (every rank must run the same
+    micro-batches for the gradient all-reduce): zero states, no loss-masked token."""
+    for states in (batch.final_hidden, batch.aux_hidden):
+        if states is not None:
+            states[rows] = 0
+    batch.loss_mask[rows] = 0
+
+
 class StopForRequeue(SystemExit):
     def __init__(self):
         super().__init__(ckpt.REQUEUE_EXIT_CODE)
@@ -176,6 +198,7 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, self.total_steps, cfg)
         self.model, self.optimizer = par.prepare(objective, optimizer)
         self.step = 0
+        self.skipped = {"nonfinite_rows": 0, "nonfinite_steps": 0}  # under on_nonfinite=skip; checkpointed
 
     # -- data --------------------------------------------------------------------------------------------------
     def locate(self, step: int) -> tuple[int, int]:
@@ -192,8 +215,23 @@ class Trainer:
                                                       self.cfg.bucket_size, self.cfg.seed, epoch))
         return self._epoch_cache[1]
 
-    def _collate(self, indices: Sequence[int]) -> Batch:
-        return collate(self.reader, indices, self.cfg.max_length, reads_aux(self.objective)).to(self.par.device)
+    def _collate(self, indices: Sequence[int], counts: Optional[dict] = None) -> Batch:
+        batch = collate(self.reader, indices, self.cfg.max_length, reads_aux(self.objective)).to(self.par.device)
+        if bad := nonfinite_rows(batch):
+            where = self.locate_rows([indices[r] for r in bad])
+            if self.cfg.on_nonfinite == "fail":
+                raise NonFiniteError(f"step {self.step + 1}: non-finite hidden states in {where}; repair or "
+                                     f"re-dump those rows, or set train.on_nonfinite=skip to leave them out")
+            log.warning("step %d: leaving out %d row(s) with non-finite states: %s", self.step + 1, len(bad), where)
+            blank_rows(batch, bad)
+            if counts is not None:
+                counts["nonfinite_rows"] = counts.get("nonfinite_rows", 0) + len(bad)
+        return batch
+
+    def locate_rows(self, indices: Sequence[int]) -> str:
+        """Where rows come from, for messages: shard and row of a dump (DumpReader.locate), else ids."""
+        locate = getattr(self.reader, "locate", None)
+        return "; ".join(locate(i) if locate else f"row {i} ({self.reader[i].id})" for i in indices)
 
     @staticmethod
     def _inputs(batch: Batch) -> dict:
@@ -205,26 +243,49 @@ class Trainer:
         epoch, in_epoch = self.locate(self.step)
         batches = self.batches_of_epoch(epoch)
         lr = self.scheduler.get_last_lr()[0]
-        sums, grad_norm, t0 = {}, None, time.perf_counter()
+        sums, grad_norm, t0, skipped = {}, None, time.perf_counter(), {}
         self.model.train()
-        for pos in self.schedule.rank_batches(len(batches), in_epoch):
-            batch = self._collate(batches[pos])
+        positions = self.schedule.rank_batches(len(batches), in_epoch)
+        for pos in positions:
+            batch = self._collate(batches[pos], skipped)
             with self.par.accumulate(self.model):
                 out = self.model(**self._inputs(batch), noise_seed=noise_seed(self.cfg.seed, epoch, pos))
+                loss = float(out["loss"].detach())
+                if self.cfg.on_nonfinite == "fail" and not math.isfinite(loss):
+                    raise NonFiniteError(f"step {self.step + 1}: non-finite loss {loss:g} on the micro-batch of "
+                                         f"{self.locate_rows(batches[pos])}")
                 self.par.backward(out["loss"])
+                step_ok = True
                 if self.par.sync_gradients:
                     grad_norm = self.par.clip_grad_norm(self.params, self.cfg.grad_clip)
-                self.optimizer.step()
+                    # The norm is of the all-reduced gradients: every rank takes the same decision.
+                    step_ok = grad_norm is None or math.isfinite(grad_norm)
+                    if not step_ok:
+                        self._nonfinite_gradient(grad_norm, [batches[p] for p in positions])
+                        skipped["nonfinite_steps"] = 1
+                if step_ok:
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             add_stats(sums, micro_stats(self.objective, out, batch))
         self.scheduler.step()
         self.step += 1
+        for key, n in skipped.items():
+            self.skipped[key] += n
         sums = reduce_stats(sums, self.par.reduce_sum)
         metrics = derive(sums, "train")
+        metrics.update({f"train/skipped_{k}": n for k, n in skipped.items()})
         metrics.update({"lr": lr, "grad_norm": grad_norm,
                         "epoch": epoch + (in_epoch + 1) / self.epoch_steps[epoch],
                         "tokens_per_s": metrics.pop("train/tokens") / max(time.perf_counter() - t0, 1e-9)})
         return metrics
+
+    def _nonfinite_gradient(self, grad_norm: float, micro_batches: list) -> None:
+        where = self.locate_rows([i for b in micro_batches for i in b])
+        if self.cfg.on_nonfinite == "fail":
+            raise NonFiniteError(f"step {self.step + 1}: non-finite gradient (norm {grad_norm}) from this rank's "
+                                 f"micro-batches of {where}; set train.on_nonfinite=skip to skip such steps")
+        log.warning("step %d: non-finite gradient (norm %s): step skipped (this rank's rows: %s)", self.step + 1,
+                    grad_norm, where)
 
     # -- validation ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -258,7 +319,7 @@ class Trainer:
         epoch, in_epoch = self.locate(self.step) if self.step < sum(self.epoch_steps) else (len(self.epoch_steps), 0)
         cfg = self.cfg
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
-                "world_size": self.par.world_size, "identity": self.identity,
+                "world_size": self.par.world_size, "identity": self.identity, "skipped": dict(self.skipped),
                 # Everything the data order depends on: equal values give the same micro-batches per step.
                 "data_order": {"seed": cfg.seed, "micro_batch_tokens": cfg.micro_batch_tokens,
                                "bucket_size": cfg.bucket_size, "max_length": cfg.max_length,
@@ -273,7 +334,8 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.train_dir) if self.cfg.resume else None
         if path is None:
             return None
-        state = ckpt.load_checkpoint(path, self.par, self.model, self.optimizer, self.scheduler)
+        state = ckpt.load_checkpoint(path, self.par, self.model, self.optimizer, self.scheduler,
+                                     verify=self.cfg.verify_inputs)
         ours = self.trainer_state()
         theirs_source, our_source = (s["identity"].get("source", "dump") for s in (state, ours))
         if theirs_source != our_source:
@@ -289,6 +351,7 @@ class Trainer:
                     f"max_length, grad_accum x processes). Train into a new experiment, or delete "
                     f"{self.train_dir} to start over")
         self.step = int(state["step"])
+        self.skipped.update(state.get("skipped", {}))
         log.info("resumed from %s (step %d of %d)", path, self.step, self.total_steps)
         return path
 

@@ -26,7 +26,7 @@ from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, save_head
 from pipeline.heads.vocab import build_draft_vocab
 from pipeline.hidden_states.reader import DumpReader
-from pipeline.manifest import MANIFEST, digest_file, to_plain, write_manifest
+from pipeline.manifest import MANIFEST, digest_file, file_digests, to_plain, write_manifest
 from pipeline.target import load_target
 
 from . import checkpoint as ckpt
@@ -122,7 +122,7 @@ def load_rows(cfg, par: Parallel, online: bool):
     # match them (a mismatch means the dump is stale), unset ones are not recomputed here.
     fuses_layers = head_spec(cfg.head.kind).fuses_target_layers
     reader = DumpReader(dump_dir, expect_target=target.fingerprint,
-                        expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None)
+                        expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None, verify=cfg.train.verify_inputs)
     # No "source" key offline: checkpoints written before train.source existed still resume.
     return target, reader, [dump_dir], {"dump_manifest_sha256": digest_file(dump_dir / MANIFEST)}
 
@@ -167,9 +167,10 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
     write_manifest(
         train_dir, "train", config={"train": cfg.train, "head": cfg.head, "target": cfg.target, "dump": cfg.dump},
         counts={"train_rows": len(trainer.train_idx), "val_rows": len(trainer.val_idx), "steps": trainer.step,
-                "epoch_steps": trainer.epoch_steps, "world_size": trainer.par.world_size, **vocab_info},
+                "epoch_steps": trainer.epoch_steps, "world_size": trainer.par.world_size, **vocab_info,
+                **{f"skipped_{k}": n for k, n in trainer.skipped.items()}},
         timings={"total_s": time.perf_counter() - t0}, inputs=inputs, source=str(cfg.train.source),
         target=target.fingerprint, precision=trainer.par.precision, head_config=head.config.to_dict(),
-        final_metrics=final_metrics)
+        final_metrics=final_metrics, head_files=file_digests(final_dir))
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
                                                      if k in ("val/loss", "val/sim_tau", "eval/tau")})
