@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import hashlib
 import json
 import os
@@ -18,6 +19,27 @@ MANIFEST = "manifest.json"
 
 class ManifestError(RuntimeError):
     pass
+
+
+class DiskFull(RuntimeError):
+    pass
+
+
+# What writers that hide errno (safetensors, torch.save, pyarrow) say about a full disk or quota.
+_DISK_FULL_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+def disk_full(e: BaseException) -> Optional[BaseException]:
+    """The exception in `e`'s chain that reports a full disk (ENOSPC, EDQUOT), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        if any(text in str(e) for text in _DISK_FULL_TEXT):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def code_version() -> str:
@@ -100,11 +122,15 @@ def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also be left fuller by our temporaries
+        raise
 
 
 def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings: dict,

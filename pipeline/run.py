@@ -5,7 +5,6 @@ Composes the Hydra config, converts it to the typed `EagletConfig`, and hands it
 from __future__ import annotations
 
 import dataclasses
-import errno
 import importlib
 import logging
 import os
@@ -17,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import STAGES, EagletConfig
 from pipeline.lock import OutputLock
+from pipeline.manifest import DiskFull, disk_full
 
 STAGE_MODULES = {
     "regen": "pipeline.regen.run",
@@ -49,8 +49,17 @@ def run_stages(cfg: EagletConfig) -> None:
     for stage, main in mains:
         log.info("=== stage %s (experiment %s) ===", stage, cfg.name)
         staged = dataclasses.replace(cfg, stage=stage)
-        with OutputLock(staged.stage_dir(stage), stage):  # one writer per output folder (pipeline/lock.py)
-            main(staged)
+        out_dir = staged.stage_dir(stage)
+        try:
+            with OutputLock(out_dir, stage):  # one writer per output folder (pipeline/lock.py)
+                main(staged)
+        except Exception as e:
+            if (full := disk_full(e)) is None:
+                raise
+            # Every writer renames complete files into place and removes its temporaries on failure, so the
+            # next stage never reads a torn file and a rerun resumes from what was complete.
+            raise DiskFull(f"no space left on the device under {out_dir} ({type(full).__name__}: {full}); free "
+                           f"space and rerun the same command: it resumes from what was completed") from e
 
 
 register_configs()
@@ -67,24 +76,16 @@ def main(dcfg: DictConfig) -> None:
             raise
         # Errors eaglet raises on purpose (bad input, mismatched manifests, refused exports) already say
         # what and where; a traceback would bury that. EAGLET_TRACEBACK=1 shows it anyway.
-        print(f"eaglet: {cfg.stage}: {user_message(e)}", file=sys.stderr)
+        print(f"eaglet: {cfg.stage}: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
 
 
 def is_user_error(e: BaseException) -> bool:
-    return type(e).__module__.startswith("pipeline.") or isinstance(e, FileNotFoundError) or disk_full(e)
+    return type(e).__module__.startswith("pipeline.") or isinstance(e, FileNotFoundError)
 
 
-def disk_full(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def user_message(e: BaseException) -> str:
-    if disk_full(e):
-        # Every writer renames complete files into place, so what the next stage reads is never a torn file.
-        return (f"no space left on the device writing {e.filename or 'an output file'} ({e.strerror}); free space "
-                f"and rerun the same command: it resumes from what was completed")
-    return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

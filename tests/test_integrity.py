@@ -5,6 +5,7 @@ training with the step, shard and row (or is skipped and counted), and a head wi
 refused on load. Each on the tiny dump of test_train.py, through the real stage functions."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -186,3 +187,26 @@ def test_a_non_finite_loss_stops_training_or_its_steps_are_skipped(root, tiny_mo
                          on_nonfinite="skip"))
     counts = load_manifest(root / EXPERIMENT / "train" / "skip")["counts"]
     assert counts["skipped_nonfinite_steps"] == 2 and counts["steps"] == 3
+
+
+def test_the_dump_refuses_a_changed_regen_shard(tmp_path, tiny_model_dir):
+    from pipeline.hidden_states.run import main as dump_main
+    from pipeline.regen.run import main as regen_main
+    from tests.test_regen import _cfg as regen_cfg
+    from tests.test_regen import _records
+
+    source = tmp_path / "input.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    cfg = regen_cfg(tmp_path, tiny_model_dir, source)
+    regen_main(cfg)
+    shard = cfg.stage_dir("regen") / "shards" / "shard-00001.jsonl"
+    original = shard.read_text()
+    shard.write_text(shard.read_text().replace('"value": "', '"value": "X', 1))  # one edited answer
+    with pytest.raises(ManifestError, match=r"regen .*: shard shards/shard-00001\.jsonl: .*\(corrupt\); delete it "
+                                            r"and .*state/done/shard-00001\.json, then rerun the regen stage"):
+        dump_main(dataclasses.replace(cfg, stage="dump"))
+    shard.unlink()  # the repair the message gives
+    (cfg.stage_dir("regen") / "state" / "done" / "shard-00001.json").unlink()
+    regen_main(cfg)
+    assert shard.read_text() == original
+    dump_main(dataclasses.replace(cfg, stage="dump"))

@@ -114,9 +114,13 @@ def _write_atomically(out_dir: Path, doc: dict, state: dict[str, torch.Tensor]) 
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
-    check_export(tmp)  # a wrong export never replaces a good one
+    try:
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+        check_export(tmp)  # a wrong export never replaces a good one
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: leave no half-written export behind
+        raise
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -102,13 +102,17 @@ def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     par.barrier()
-    par.save_engine_state(model, tmp)
-    _torch_save(rng_state(), tmp / f"rng-rank{par.rank}.pt")
-    if par.is_main:
-        save_head(par.unwrap(model).head, tmp)
-        if not par.deepspeed:
-            _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
-        _torch_save(scheduler.state_dict(), tmp / SCHEDULER)
+    try:
+        par.save_engine_state(model, tmp)
+        _torch_save(rng_state(), tmp / f"rng-rank{par.rank}.pt")
+        if par.is_main:
+            save_head(par.unwrap(model).head, tmp)
+            if not par.deepspeed:
+                _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
+            _torch_save(scheduler.state_dict(), tmp / SCHEDULER)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk: free what the failed write took
+        raise
     par.barrier()  # every rank's files are in place before the state file marks the checkpoint complete
     if par.is_main:
         # The state file closes the checkpoint and records every other file's digest: a resume refuses a
