@@ -67,7 +67,14 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
-    cfg = to_typed(dcfg)
+    try:
+        cfg = to_typed(dcfg)
+    except (ValueError, TypeError) as e:
+        # The schema's own checks (a choice, a range) raise builtin errors that already name the key.
+        if os.environ.get("EAGLET_TRACEBACK"):
+            raise
+        print(f"eaglet: config: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
     logging.getLogger().setLevel(cfg.log_level)
     try:
         run_stages(cfg)

@@ -2,6 +2,7 @@
 as an HF safetensors directory so later loads skip the slow dequantization)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -27,6 +28,11 @@ CACHE_FORMAT = 2
 # Llama-architecture families: the final norm is a Llama RMSNorm (weight * x_hat, not Gemma's
 # (1 + weight) * x_hat) and the logits are exactly lm_head(final norm), with no softcapping or logit scale.
 LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3"})
+GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
+
+
+class TargetError(ValueError):
+    """The configured target is not a model eaglet can load: the path and why, in one line."""
 
 
 @dataclass
@@ -107,7 +113,40 @@ def packaged_gguf(package: str, filename: str) -> Path:
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise FileNotFoundError(f"target: {filename} not found in package {package} ({path.parent})")
+    return checked_gguf(path)
+
+
+def checked_gguf(path: Path) -> Path:
+    """`path`, refused unless it starts like a GGUF (a text file or a download's error page named .gguf would
+    otherwise fail deep inside the GGUF parser)."""
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise TargetError(f"{path}: not a GGUF file (it starts with {magic!r}; a GGUF starts with {GGUF_MAGIC!r})")
     return path
+
+
+def checked_model_dir(path: Path) -> Path:
+    """`path`, refused unless it holds an HF model's config.json."""
+    if not (path / "config.json").is_file():
+        what = "an empty directory" if not any(path.iterdir()) else "no config.json in it"
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; for its GGUF, set target.path={path / ggufs[0]}" if ggufs else ""
+        raise TargetError(f"target.path={path}: not an HF model directory ({what}){hint}")
+    return path
+
+
+@contextlib.contextmanager
+def loading(what: str):
+    """transformers' (and the GGUF parser's) failures to read a target -- weights missing or corrupt, a hub id
+    that cannot be fetched -- as one TargetError naming it (EAGLET_TRACEBACK=1 shows the original)."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError) as e:
+        # Ours already say what and where; a system error (disk full, permissions) is not about the target.
+        if type(e).__module__.startswith("pipeline.") or getattr(e, "errno", None) is not None:
+            raise
+        raise TargetError(f"{what}: cannot be loaded: {type(e).__name__}: {' '.join(str(e).split())}") from e
 
 
 def resolve_source(cfg: TargetConfig) -> tuple[str, Optional[Path]]:
@@ -120,11 +159,13 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, Optional[Path]]:
     if cfg.path.endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"target.path={cfg.path}: GGUF file not found")
-        return "gguf", path
+        return "gguf", checked_gguf(path)
     if path.is_dir():
-        return "dir", path
-    if path.exists() or cfg.path.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"target.path={cfg.path}: not a directory or .gguf file")
+        return "dir", checked_model_dir(path)
+    if path.exists():
+        raise TargetError(f"target.path={cfg.path}: a file, but neither a .gguf file nor an HF model directory")
+    if cfg.path.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"target.path={cfg.path}: no such path (not a directory or .gguf file)")
     return "hub", None
 
 
@@ -189,7 +230,8 @@ def materialize(cfg: TargetConfig) -> tuple[str, str]:
     if kind == "gguf":
         out = gguf_cache_dir(cfg, location)
         if not (out / "config.json").exists():
-            dequantize_gguf_to_cache(location, out)
+            with loading(str(location)):
+                dequantize_gguf_to_cache(location, out)
         return str(out), str(location)
     if kind == "dir":
         return str(location), str(location)
@@ -228,7 +270,8 @@ def stored_dtype(location: str, revision: Optional[str] = None) -> Optional[torc
     """The dtype the checkpoint's config declares for its weights (None when it declares none)."""
     from transformers import AutoConfig
 
-    declared = getattr(AutoConfig.from_pretrained(location, revision=revision), "dtype", None)
+    with loading(location):
+        declared = getattr(AutoConfig.from_pretrained(location, revision=revision), "dtype", None)
     if isinstance(declared, str):
         declared = precision.DTYPES.get(declared)
     return declared if isinstance(declared, torch.dtype) else None
@@ -278,22 +321,26 @@ def compute_fingerprint(hf_config, tokenizer, cfg: TargetConfig, source: str, we
 
 
 def load_tokenizer(cfg: TargetConfig):
+    location, _ = materialize(cfg)
+    return _tokenizer(location, cfg)
+
+
+def _tokenizer(location: str, cfg: TargetConfig):
     from transformers import AutoTokenizer
 
-    location, _ = materialize(cfg)
-    return AutoTokenizer.from_pretrained(location, revision=cfg.revision)
+    with loading(location):
+        return AutoTokenizer.from_pretrained(location, revision=cfg.revision)
 
 
 def _from_pretrained(location: str, cfg: TargetConfig, dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        location, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation)
+    with loading(location):
+        return AutoModelForCausalLM.from_pretrained(
+            location, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation)
 
 
 def load_target(cfg: TargetConfig) -> Target:
-    from transformers import AutoTokenizer
-
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     location, source = materialize(cfg)
@@ -301,7 +348,7 @@ def load_target(cfg: TargetConfig) -> Target:
     model = _from_pretrained(location, cfg, dtype)
     model.to(device).eval()
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(location, revision=cfg.revision)
+    tokenizer = _tokenizer(location, cfg)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     fingerprint = compute_fingerprint(model.config, tokenizer, cfg, source, stored_weights_digest(model, location, cfg))

@@ -9,13 +9,18 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
-# Reasons a record is rejected. The readers use exactly these strings.
+# Reasons a record is rejected. The readers use exactly these strings. One bad record can stand for the rest of
+# its file (the detail then says "rest of file unread" or "file skipped"): a syntax error in a JSON list, a broken
+# gzip stream, binary data. The records before the break are kept.
 BAD_REASONS = (
     "invalid_json",
     "not_utf8",
+    "bad_gzip",  # a .gz file that is not gzip data, or whose stream breaks
+    "binary_file",  # binary data (a NUL byte in the first bytes), not JSON text: the whole file, once
     "missing_field",
     "unknown_role",
     "empty_content",
+    "turn_too_long",  # longer than data.max_turn_chars
     "not_alternating",
     "system_not_first",
     "no_user_turn",

@@ -84,6 +84,11 @@ class DataConfig:
     on_bad_record: OnBadRecord = OnBadRecord.skip
     max_length: int = 2048
     overlength: Overlength = Overlength.truncate
+    # Longest turn a record may hold, in characters: a longer one rejects its record (`turn_too_long`, with the
+    # turn and its size) before it reaches the tokenizer. Scrapes hold pasted logs and dumps of tens of MB,
+    # which cost seconds and GBs to tokenize only to be cut to max_length tokens. 1,000,000 characters is about
+    # 250k tokens, far past any max_length. None: no limit.
+    max_turn_chars: Optional[int] = 1_000_000
     # System prompt added to every conversation that has none (None: the template's own default).
     system_prompt: Optional[str] = None
     # Drop a conversation whose first user turn (case and white space folded) an earlier one already had:
@@ -98,3 +103,6 @@ class DataConfig:
         self.held_out = [SourceConfig.of(s) for s in self.held_out]
         self.on_bad_record = OnBadRecord.parse(self.on_bad_record, "data.on_bad_record")
         self.overlength = Overlength.parse(self.overlength, "data.overlength")
+        if self.max_turn_chars is not None and self.max_turn_chars < 1:
+            raise ValueError(f"data.max_turn_chars={self.max_turn_chars}: a number of characters >= 1, or null for "
+                             "no limit")

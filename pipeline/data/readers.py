@@ -19,12 +19,23 @@ format, e.g. gsm8k: {"instruction": "question", "output": "answer"}.
 Files: `.json` (a list, or one object; a `.json` file that holds JSON Lines is read as such), `.jsonl`,
 either gzipped (`.gz`); a directory reads its json/jsonl(.gz) files (not subdirectories) in sorted order.
 
+Broken files lose as little as can be told apart, and every loss is one bad record with its place:
+  * JSONL: a line that does not decode (`not_utf8`) or parse (`invalid_json`, a last line cut short too) is
+    that line only.
+  * JSON list: a record holding an undecodable byte is `not_utf8` (its byte offset) and the records around it
+    are kept; a syntax error has no resync point, so the records before it are kept and one `invalid_json`
+    names its line, column and byte offset ("rest of file unread"); a file cut short says so, with its length.
+  * `.gz`: not gzip data, or a stream that breaks (cut short, corrupt): `bad_gzip`; what decompressed before
+    the break is read as above.
+  * Binary data (a NUL byte in the first SNIFF_BYTES, not starting like JSON): one `binary_file` for the file.
+
 Normalisation and validation, in this order:
   * Leading assistant turns (after an optional first system turn) are dropped: ShareGPT dumps split long
     conversations into pieces and the later pieces start mid-exchange. Counted as the fix
     `leading_assistant_dropped` for records that are kept.
-  * Then, turn by turn, the first problem found rejects the record: `system_not_first`, `empty_content`
-    (empty or whitespace-only), `not_alternating`. Consecutive same-role turns are NOT merged: in ShareGPT
+  * Then, turn by turn, the first problem found rejects the record: `system_not_first`, `turn_too_long`
+    (over `data.max_turn_chars`; MT-bench follow-ups too), `empty_content` (empty or whitespace-only),
+    `not_alternating`. Consecutive same-role turns are NOT merged: in ShareGPT
     scrapes they mark lost or duplicated turns, and merging would silently move turn boundaries (and so
     the loss mask), so the record is reported instead.
   * `no_user_turn` if no user turn is left. A record that ends with a user turn (prompt only) is valid.
@@ -33,10 +44,12 @@ is `duplicate_id`. Every rejected record goes to the `BadRecordReport` with its 
 """
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
 import re
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -66,8 +79,15 @@ DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 # `datasets` builder for a local file given to an `hf` source.
 HF_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
+# First bytes of a file that tell binary data from text (what git looks at too).
+SNIFF_BYTES = 8000
+
 _DECODER = json.JSONDecoder()
 _WS = re.compile(r"[ \t\n\r]*")
+# What `surrogateescape` decodes an undecodable byte to: such a character in a file's text marks a bad byte.
+_BAD_BYTE = re.compile("[\udc80-\udcff]")
+# How a `.gz` file that is not gzip data, or whose stream is cut short or corrupt, fails to read.
+_GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
 
 
 class _Bad(Exception):
@@ -102,80 +122,199 @@ def _open(path: Path):
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
-def _iter_jsonl(path: Path, shown: str) -> Iterator[tuple[Location, Any]]:
-    index = 0
+def _gzip_bad(e: Exception, n_bytes: int) -> _Bad:
+    """A `.gz` file that is not gzip data, or whose stream breaks (cut short, corrupt) after `n_bytes`."""
+    if n_bytes == 0 and not isinstance(e, EOFError):
+        return _Bad("bad_gzip", f"not gzip data ({e}); file skipped")
+    return _Bad("bad_gzip", f"the gzip stream breaks after {n_bytes} uncompressed bytes ({type(e).__name__}: {e}); "
+                            "rest of file unread")
+
+
+def _binary(path: Path) -> Optional[tuple[int, _Bad]]:
+    """(line, bad record) for a file of binary data: a NUL byte in its first SNIFF_BYTES (JSON text never holds
+    one) when it does not start like JSON. Read line by line, random bytes or a Parquet file named .jsonl
+    would be thousands of bad records; they are one. A NUL further on, or in a file that starts like JSON,
+    costs only what holds it (a JSONL line; in a JSON list, the rest of the file)."""
+    try:
+        with _open(path) as f:
+            head = f.read1(SNIFF_BYTES)  # one read: enough to tell, whatever the file's size
+    except _GZIP_ERRORS:
+        return None  # the reader reports it where it happens
+    nul = head.find(b"\0")
+    if nul < 0 or head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] in (b"[", b"{"):
+        return None
+    return head.count(b"\n", 0, nul) + 1, _Bad("binary_file", f"a NUL byte at byte {nul}: binary data, not JSON "
+                                                                "text; file skipped")
+
+
+def _lines(path: Path) -> Iterator[bytes | _Bad]:
+    """The lines of a file; a gzip stream that breaks ends them with a `_Bad` (the lines before it are kept)."""
+    n_bytes = 0
     with _open(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            loc = Location(shown, line=lineno, index=index)
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                index += 1
-                yield loc, _Bad("not_utf8", f"byte {e.start} of the line")
-                continue
-            if not line.strip():
-                continue  # blank lines are not records
+        try:
+            for raw in f:
+                n_bytes += len(raw)
+                yield raw
+        except _GZIP_ERRORS as e:
+            yield _gzip_bad(e, n_bytes)
+
+
+def _iter_jsonl(path: Path, shown: str) -> Iterator[tuple[Location, Any]]:
+    if (binary := _binary(path)) is not None:
+        yield Location(shown, line=binary[0], index=0), binary[1]
+        return
+    index = 0
+    for lineno, raw in enumerate(_lines(path), 1):
+        loc = Location(shown, line=lineno, index=index)
+        if isinstance(raw, _Bad):
+            yield loc, raw
+            return
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
             index += 1
-            try:
-                yield loc, json.loads(line.rstrip("\r\n"))  # so an error at the end reports this line's column
-            except json.JSONDecodeError as e:
-                yield loc, _Bad("invalid_json", f"{e.msg} at column {e.colno}")
+            yield loc, _Bad("not_utf8", f"byte {e.start} of the line")
+            continue
+        if not line.strip():
+            continue  # blank lines are not records
+        index += 1
+        try:
+            yield loc, json.loads(line.rstrip("\r\n"))  # so an error at the end reports this line's column
+        except json.JSONDecodeError as e:
+            yield loc, _Bad("invalid_json", f"{e.msg} at column {e.colno}")
+
+
+def _read_all(path: Path) -> tuple[bytes, Optional[_Bad]]:
+    """The whole file, and how its gzip stream broke (None: it did not); a broken one gives what came before."""
+    chunks: list[bytes] = []
+    try:
+        with _open(path) as f:
+            while block := f.read1(1 << 20):  # read1: what a break leaves behind is kept
+                chunks.append(block)
+    except _GZIP_ERRORS as e:
+        return b"".join(chunks), _gzip_bad(e, sum(map(len, chunks)))
+    return b"".join(chunks), None
+
+
+class _Text:
+    """A JSON file's decoded text, with text positions -> lines and byte offsets in the file (asked for in
+    increasing order: one pass over the text). Undecodable bytes are kept as marked characters
+    (`surrogateescape`), so the records around one still decode and only the record holding it is lost."""
+
+    def __init__(self, raw: bytes, broken: Optional[_Bad]):
+        self.bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+        data = memoryview(raw)[self.bom:]  # no copy of the bytes
+        try:
+            self.text, self.any_bad_byte = str(data, "utf-8"), False
+        except UnicodeDecodeError:
+            self.text, self.any_bad_byte = str(data, "utf-8", "surrogateescape"), True
+        self.n_bytes = len(raw)
+        self.broken = broken  # the gzip stream's break, where the text ends
+        self._pos, self._line, self._byte = 0, 1, self.bom
+
+    def _advance(self, pos: int) -> None:
+        if pos < self._pos:
+            self._pos, self._line, self._byte = 0, 1, self.bom
+        seg = self.text[self._pos:pos]
+        self._line += seg.count("\n")
+        self._byte += len(seg.encode("utf-8", "surrogateescape"))
+        self._pos = pos
+
+    def line(self, pos: int) -> int:
+        self._advance(pos)
+        return self._line
+
+    def byte(self, pos: int) -> int:
+        self._advance(pos)
+        return self._byte
+
+    def bad_byte(self, start: int, end: int) -> Optional[_Bad]:
+        """`not_utf8` for the record at text[start:end] when it holds an undecodable byte."""
+        m = _BAD_BYTE.search(self.text, start, end) if self.any_bad_byte else None
+        return None if m is None else _Bad("not_utf8", f"byte {self.byte(m.start())}")
+
+    def ends_at(self, pos: int) -> bool:
+        return _WS.match(self.text, pos).end() == len(self.text)
+
+    def cut(self, where: str) -> _Bad:
+        """The text ends early: the gzip stream broke there, or the file was cut short."""
+        if self.broken is not None:
+            return self.broken
+        return _Bad("invalid_json", f"file cut short: it ends at byte {self.n_bytes}, {where}")
+
+    def error(self, pos: int, msg: str, rest: bool = True) -> _Bad:
+        """A JSON syntax error at text position `pos`: an undecodable byte there, the end of a file cut short
+        (or of a broken gzip stream), or plain bad JSON. `rest`: the records after it are lost too."""
+        tail = "; rest of file unread" if rest else ""
+        if self.any_bad_byte and _BAD_BYTE.match(self.text, pos):
+            return _Bad("not_utf8", f"byte {self.byte(pos)}{tail}")
+        # Only the end of the text leaves a string unterminated (json's scanner).
+        if msg.startswith("Unterminated string") or self.ends_at(pos):
+            return self.cut("inside this record")
+        column = pos - self.text.rfind("\n", 0, pos)
+        return _Bad("invalid_json", f"{msg} at line {self.line(pos)} column {column} (byte {self.byte(pos)}){tail}")
 
 
 def _iter_json(path: Path, shown: str) -> Iterator[tuple[Location, Any]]:
-    with _open(path) as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        # One undecodable byte makes the whole document unreadable: one bad record for the file.
-        yield Location(shown, line=raw.count(b"\n", 0, e.start) + 1), _Bad("not_utf8", f"byte {e.start}")
+    if (binary := _binary(path)) is not None:
+        yield Location(shown, line=binary[0]), binary[1]
         return
+    raw, broken = _read_all(path)
+    doc = _Text(raw, broken)
+    text = doc.text
     start = _WS.match(text).end()
+    if start == len(text):
+        yield Location(shown, line=1), broken or _Bad("invalid_json", "empty file")
+        return
     if text.startswith("[", start):
-        yield from _iter_json_list(text, start, shown)
+        yield from _iter_json_list(doc, start, shown)
         return
     try:
         obj, end = _DECODER.raw_decode(text, start)
     except json.JSONDecodeError as e:
-        yield Location(shown, line=e.lineno), _Bad("invalid_json", f"{e.msg} at column {e.colno}")
+        yield Location(shown, line=doc.line(e.pos)), doc.error(e.pos, e.msg, rest=False)
         return
     if _WS.match(text, end).end() < len(text):
         # More than one top-level value: JSON Lines under a .json name.
         yield from _iter_jsonl(path, shown)
         return
-    yield Location(shown, line=text.count("\n", 0, start) + 1, index=0, json_list=True), obj
+    yield Location(shown, line=doc.line(start), index=0, json_list=True), doc.bad_byte(start, end) or obj
+    if broken is not None:
+        yield Location(shown, line=doc.line(len(text)), index=1, json_list=True), broken
 
 
-def _iter_json_list(text: str, start: int, shown: str) -> Iterator[tuple[Location, Any]]:
-    """Decode a top-level JSON list element by element, so each record knows its index and first line."""
+def _list_ends(text: str, pos: int) -> bool:
+    """The list closes at `pos` and nothing but white space follows."""
+    return text.startswith("]", pos) and _WS.match(text, pos + 1).end() == len(text)
+
+
+def _iter_json_list(doc: _Text, start: int, shown: str) -> Iterator[tuple[Location, Any]]:
+    """Decode a top-level JSON list element by element, so each record knows its index and first line, and a
+    record with a bad byte costs only itself."""
+    text = doc.text
     pos = _WS.match(text, start + 1).end()
-    line, counted_to = 1 + text.count("\n", 0, pos), pos
     index = 0
-    if text.startswith("]", pos):
-        return
-    while True:
-        line += text.count("\n", counted_to, pos)
-        counted_to = pos
-        loc = Location(shown, line=line, index=index, json_list=True)
+    while not (index == 0 and _list_ends(text, pos)):  # `[]` holds no record
+        loc = Location(shown, line=doc.line(pos), index=index, json_list=True)
         try:
             obj, end = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             # A syntax error inside a list leaves no reliable resync point: the rest of the file is lost.
-            yield loc, _Bad("invalid_json", f"{e.msg} at line {e.lineno} column {e.colno}; rest of file unread")
+            yield loc, doc.error(e.pos, e.msg)
             return
-        yield loc, obj
+        yield loc, doc.bad_byte(pos, end) or obj
         index += 1
         pos = _WS.match(text, end).end()
-        if text.startswith(",", pos):
-            pos = _WS.match(text, pos + 1).end()
-        elif text.startswith("]", pos) and _WS.match(text, pos + 1).end() == len(text):
+        if _list_ends(text, pos):
+            break
+        if not text.startswith(",", pos):
+            loc = Location(shown, line=doc.line(pos), index=index, json_list=True)
+            yield loc, (doc.cut("before the list's closing ']'") if doc.ends_at(pos) else
+                        doc.error(pos, "expected ',' or a final ']' after the previous record"))
             return
-        else:
-            line += text.count("\n", counted_to, pos)
-            loc = Location(shown, line=line, index=index, json_list=True)
-            yield loc, _Bad("invalid_json", "expected ',' or a final ']' after the previous record")
-            return
+        pos = _WS.match(text, pos + 1).end()
+    if doc.broken is not None:  # the list closed, but the stream broke after it
+        yield Location(shown, line=doc.line(len(text)), index=index, json_list=True), doc.broken
 
 
 def _iter_hf(src: SourceConfig) -> Iterator[tuple[Location, Any]]:
@@ -318,7 +457,12 @@ def _detect_format(rec: Mapping) -> str:
     raise _Bad("missing_field", "none of " + "/".join(FORMAT_KEYS.values()))
 
 
-def _validate(msgs: list[dict]) -> tuple[list[dict], bool]:
+def _check_length(text: str, what: str, max_chars: Optional[int]) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise _Bad("turn_too_long", f"{what}: {len(text):,} characters, data.max_turn_chars={max_chars:,}")
+
+
+def _validate(msgs: list[dict], max_turn_chars: Optional[int] = None) -> tuple[list[dict], bool]:
     """Drop leading assistant turns, then check the turn structure. Returns (messages, dropped_any).
     Details name turns by their index in the record as read (before dropping)."""
     n_sys = 1 if msgs and msgs[0]["role"] == "system" else 0
@@ -331,6 +475,7 @@ def _validate(msgs: list[dict]) -> tuple[list[dict], bool]:
         role, content = msgs[i]["role"], msgs[i]["content"]
         if role == "system" and i > 0:
             raise _Bad("system_not_first", f"turn {i}")
+        _check_length(content, f"turn {i} ({role})", max_turn_chars)
         if not content.strip():
             raise _Bad("empty_content", f"turn {i} ({role})")
         if prev is not None and role == msgs[prev]["role"]:
@@ -357,7 +502,8 @@ def _apply_columns(rec: Mapping, columns: Mapping) -> dict:
     return rec
 
 
-def _to_conversation(rec: Any, fmt: str = "auto", default_id: str = "", columns: Optional[Mapping] = None):
+def _to_conversation(rec: Any, fmt: str = "auto", default_id: str = "", columns: Optional[Mapping] = None,
+                     max_turn_chars: Optional[int] = None):
     """One raw record -> (Conversation, leading_assistant_dropped). Raises `_Bad` for a bad record."""
     if not isinstance(rec, Mapping):
         raise _Bad("invalid_json", f"record is a {type(rec).__name__}, not an object")
@@ -366,7 +512,9 @@ def _to_conversation(rec: Any, fmt: str = "auto", default_id: str = "", columns:
     if fmt in ("auto", "hf"):
         fmt = _detect_format(rec)
     msgs, meta = _PARSERS[fmt](rec)
-    msgs, dropped = _validate(msgs)
+    msgs, dropped = _validate(msgs, max_turn_chars)
+    for i, turn in enumerate(meta.get("followup_turns", ()), 1):
+        _check_length(turn, f"turns[{i}]", max_turn_chars)
     meta.update({k: rec[k] for k in META_KEYS if rec.get(k) not in (None, "")})
     return {"id": _record_id(rec, default_id), "messages": msgs, "meta": meta}, dropped
 
@@ -383,11 +531,13 @@ def read_source(
     *,
     seen_ids: Optional[set] = None,
     prompts: Optional["PromptFilter"] = None,
+    max_turn_chars: Optional[int] = DataConfig.max_turn_chars,
 ) -> Iterator[dict]:
     """Yield the Conversations of one source; bad records go to `report` (or raise `BadRecordError` at
     the first one when `on_bad_record="fail"`). `limit` counts yielded records. `seen_ids` (shared by
     `read_sources`) extends the id-uniqueness check beyond this source; `prompts` leaves out repeated and
-    held-out prompts (counted in `report` as skipped, with their locations)."""
+    held-out prompts (counted in `report` as skipped, with their locations); a turn longer than
+    `max_turn_chars` (data.max_turn_chars) rejects its record."""
     on_bad_record = OnBadRecord.parse(on_bad_record, "data.on_bad_record")
     if src.limit is not None and src.limit <= 0:
         return
@@ -397,7 +547,7 @@ def read_source(
         try:
             if isinstance(rec, _Bad):
                 raise rec
-            conv, dropped = _to_conversation(rec, src.format, f"{prefix}-{loc.index}", src.columns)
+            conv, dropped = _to_conversation(rec, src.format, f"{prefix}-{loc.index}", src.columns, max_turn_chars)
             if conv["id"] in seen:
                 raise _Bad("duplicate_id", conv["id"])
         except _Bad as e:
@@ -479,4 +629,5 @@ def read_sources(cfg: DataConfig, report: BadRecordReport) -> Iterator[dict]:
         prompts = PromptFilter(cfg.dedupe_prompts, held_out_prompts(cfg.held_out))
     seen: set = set()
     for src in sources:
-        yield from read_source(src, report, cfg.on_bad_record, seen_ids=seen, prompts=prompts)
+        yield from read_source(src, report, cfg.on_bad_record, seen_ids=seen, prompts=prompts,
+                               max_turn_chars=cfg.max_turn_chars)

@@ -73,7 +73,8 @@ def main(cfg) -> dict:
     target = load_target(cfg.target)
     drafter, drafter_info, inputs = build_drafter(cfg, target)
     report = BadRecordReport()
-    questions = load_questions(cfg.eval.questions, cfg.eval.limit, report, cfg.data.on_bad_record)
+    questions = load_questions(cfg.eval.questions, cfg.eval.limit, report, cfg.data.on_bad_record,
+                               cfg.data.max_turn_chars)
     settings = {"top_k": cfg.tree.top_k, "depth": cfg.tree.depth, "total_tokens": cfg.tree.total_tokens,
                 "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
                 "device": str(target.device), "dtype": target.precision,

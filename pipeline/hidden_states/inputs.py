@@ -34,7 +34,8 @@ def read_conversations(cfg, fingerprint: dict, report: BadRecordReport) -> tuple
     def conversations() -> Iterator[dict]:
         seen: set = set()
         for src in sources:
-            yield from read_source(src, report, cfg.data.on_bad_record, seen_ids=seen)
+            yield from read_source(src, report, cfg.data.on_bad_record, seen_ids=seen,
+                                   max_turn_chars=cfg.data.max_turn_chars)
     return conversations(), [regen_dir]
 
 
