@@ -46,7 +46,9 @@ def code_version() -> str:
     """git describe of the eaglet checkout (with -dirty), or the package version when not in git."""
     here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=here,
+        # --no-optional-locks: `--dirty` refreshes the index, which takes .git/index.lock; a stage killed at
+        # that moment (the fault campaign did it) would leave the lock behind and break the user's git.
+        out = subprocess.run(["git", "--no-optional-locks", "describe", "--always", "--dirty", "--abbrev=12"], cwd=here,
                              capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
@@ -151,6 +153,10 @@ def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings
         **to_plain(extra),
     }
     path = out_dir / MANIFEST
+    # A run killed inside this write left its temporary (named by its pid); one writer per folder
+    # (pipeline/lock.py) makes any other one stale.
+    for stale in out_dir.glob(f".{MANIFEST}.*.tmp"):
+        stale.unlink(missing_ok=True)
     atomic_write_text(path, json.dumps(doc, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
     return path
 

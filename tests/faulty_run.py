@@ -1,8 +1,8 @@
 """`python tests/faulty_run.py <event>:<step>:<SIGNAL> <hydra overrides...>`: `python -m pipeline.run` with a
 trainer hook (pipeline/train/loop.py TRAINER_HOOKS) that sends this process SIGNAL when the trainer announces
 <event> at <step>, so an interruption lands at a chosen point. Events: step_done (during step N, before its
-metrics are logged), step_logged (after step N is logged), checkpoint_written (inside step N's checkpoint
-write, before the rename)."""
+metrics are logged), step_logged (after step N is logged), tau_decoding (as step N's real-tau decode starts),
+checkpoint_written (inside step N's checkpoint write, before the rename)."""
 import os
 import runpy
 import signal

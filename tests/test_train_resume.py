@@ -77,3 +77,26 @@ def test_sigterm_checkpoints_and_exits_with_the_requeue_code(dump_root, tiny_mod
                                                                 abs=1e-6, rel=0)
     assert (train_dir / "manifest.json").exists()
     assert all(r["step"] <= STEPS for r in read_metrics(train_dir / "metrics.jsonl"))
+
+
+def tau_records(train_dir) -> dict[int, float]:
+    return {r["step"]: r["eval/tau"] for r in read_metrics(train_dir / "metrics.jsonl") if "eval/tau" in r}
+
+
+@pytest.mark.parametrize("fault", ["tau_decoding:8:SIGKILL", "step_done:4:SIGTERM"])
+def test_an_interrupted_real_tau_decode_is_redone_on_resume(dump_root, tiny_model_dir, fault):
+    """The real-tau record of a checkpoint step survives a kill during its decode (the checkpoint comes after
+    it) and a stop request at that step (the resumed run decodes first)."""
+    ref = overrides(dump_root, tiny_model_dir, "eagle3", "tau-ref", max_steps=8)
+    main(as_config(ref))
+    expected = tau_records(dump_root / EXPERIMENT / "train" / "tau-ref")
+    assert sorted(expected) == [4, 8]
+
+    name = f"tau-{fault.split(':')[0]}"
+    d = overrides(dump_root, tiny_model_dir, "eagle3", name, max_steps=8)
+    out = run_cli(d, fault=fault)
+    assert out.returncode in (-9, ckpt.REQUEUE_EXIT_CODE), out.stderr[-2000:]
+    train_dir = dump_root / EXPERIMENT / "train" / name
+    assert ckpt.latest_checkpoint(train_dir).name == "step-4"
+    main(as_config(d))
+    assert tau_records(train_dir) == pytest.approx(expected, abs=1e-9)

@@ -130,6 +130,7 @@ class TauProbe:
 # or a custom logger could be one too):
 #   "step_done"       step N's optimizer step is done, before anything is logged or saved
 #   "step_logged"     step N's metrics are written (a checkpoint at N, if any, comes after)
+#   "tau_decoding"    step N's real-tau decode starts (before step N's checkpoint)
 #   "checkpoint_written"  step N's checkpoint is complete in its temporary directory, not yet renamed
 TRAINER_HOOKS: list[Callable[[str, int], None]] = []
 
@@ -305,6 +306,28 @@ class Trainer:
         metrics.pop("val/tokens")
         return metrics
 
+    def probe_due(self, step: int) -> bool:
+        """Checkpoint steps: the scheduled ones and the last."""
+        return step == self.total_steps or bool(self.cfg.save_every and step % self.cfg.save_every == 0)
+
+    def log_real_tau(self) -> None:
+        """Decodes and logs step N's real tau BEFORE step N's checkpoint is written: a checkpoint at N always
+        has N's records behind it, so a kill during the decode resumes from the checkpoint before and decodes
+        again, and a resumed run's metrics equal an uninterrupted run's."""
+        _announce("tau_decoding", self.step)
+        if tau := self.real_tau():
+            self.metrics.log(self.step, tau)
+            log.info("step %d real tau %.3f (%.1f s)", self.step, tau["eval/tau"], tau["eval/decode_s"])
+
+    def _probe_if_missing(self) -> None:
+        """A stop request at a checkpoint step saved without decoding: decode now, before training on."""
+        from .metrics import read_metrics
+
+        missing = (self.par.is_main and self.tau_probe is not None and self.probe_due(self.step)
+                   and not any(r["step"] == self.step and "eval/tau" in r for r in read_metrics(self.metrics.path)))
+        if self.par.any(missing):
+            self.log_real_tau()
+
     def real_tau(self) -> dict[str, float]:
         """Main rank decodes; the others wait at the barrier."""
         out = {}
@@ -362,6 +385,8 @@ class Trainer:
         cfg = self.cfg
         last_saved = self.step if self.resume() else None
         self.metrics.open(resume_step=self.step)
+        if last_saved is not None:
+            self._probe_if_missing()
         if self.step == 0:  # step-0 reference of the validation curves (no decode: an untrained head's tau is ~1)
             self.metrics.log(0, self.validate())
         with ckpt.StopRequest() as stop:
@@ -377,12 +402,11 @@ class Trainer:
                 _announce("step_logged", self.step)
                 if self.par.is_main and (self.step % max(cfg.log_every, 1) == 0 or done or self.step == 1):
                     log.info("step %d/%d %s", self.step, self.total_steps, _fmt(metrics))
-                if done or stopping or (cfg.save_every and self.step % cfg.save_every == 0):
+                if done or stopping or self.probe_due(self.step):
+                    if not stopping:  # a stop request exits fast; the resumed run decodes (_probe_if_missing)
+                        self.log_real_tau()
                     self.save()
                     last_saved = self.step
-                    if not stopping and (tau := self.real_tau()):
-                        self.metrics.log(self.step, tau)
-                        log.info("step %d real tau %.3f (%.1f s)", self.step, tau["eval/tau"], tau["eval/decode_s"])
                 if stopping:
                     log.warning("stopped at step %d (checkpoint saved); exiting with %d for requeue",
                                 self.step, ckpt.REQUEUE_EXIT_CODE)
