@@ -104,13 +104,13 @@ def main(cfg) -> dict:
     summary["head"] = drafter_info
     subject = f"{cfg.name}/{cfg.eval_subject}/{cfg.eval_run_name}"
     if not summary["complete"]:  # no answers.jsonl or manifest: the next stage must not take a partial eval
-        (out_dir / "summary.partial.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
+        atomic_write_text(out_dir / "summary.partial.json", json.dumps(to_plain(summary), indent=2) + "\n")
     else:
         (out_dir / "summary.partial.json").unlink(missing_ok=True)
-        with open(out_dir / "answers.jsonl", "w") as f:
-            for rec in records:
-                f.write(json.dumps(record_dict(rec), ensure_ascii=False) + "\n")
-        (out_dir / "summary.json").write_text(json.dumps(to_plain(summary), indent=2) + "\n")
+        # Atomic: a kill mid-write never leaves a torn answers.jsonl or summary.json for a reader to trust.
+        atomic_write_text(out_dir / "answers.jsonl",
+                          "".join(json.dumps(record_dict(rec), ensure_ascii=False) + "\n" for rec in records))
+        atomic_write_text(out_dir / "summary.json", json.dumps(to_plain(summary), indent=2) + "\n")
         plot_summary(summary, out_dir / "tau.png", title=subject.replace("/", " / "))
         log_wandb(cfg.wandb, out_dir, summary, subject.replace("/", "-"),
                   to_plain({"eval": cfg.eval, "tree": cfg.tree, "head": cfg.head, "target": cfg.target}))
