@@ -428,3 +428,12 @@ def test_smollm2_sized_head_exports_exactly(smollm2, tmp_path):
                                                              "architectures": ["LlamaForCausalLM"]}
         result = generate(model, EagleDrafter(load_export(out, smollm2)), prompt, 12, eos_token_ids=())
         assert result.tokens == reference.tokens and result.accept_lengths == reference.accept_lengths
+
+
+def test_a_killed_exports_temporary_is_removed_by_the_next_export(tiny_model, tmp_path):
+    out = tmp_path / "sglang"
+    stale = tmp_path / ".sglang.99999.tmp"  # what a kill -9 inside the write leaves (bench/faults.py saw it)
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    export(make_head(tiny_model), out, "sglang")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sglang"]

@@ -112,7 +112,10 @@ def _write_atomically(out_dir: Path, doc: dict, state: dict[str, torch.Tensor]) 
     from safetensors.torch import save_file
 
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # A killed export left its temporary under its own pid; one writer per folder (pipeline/lock.py) makes
+    # every such sibling stale (the fault campaign found them left behind).
+    for stale in out_dir.parent.glob(f".{out_dir.name}.*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
