@@ -342,9 +342,20 @@ def close(a, b) -> bool:
     return a == b
 
 
+def record_layout(path: Path) -> list[tuple[int, list[str]]]:
+    """(step, metric names) of each record in order: a record written twice or out of order shows here."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    records = [json.loads(line) for line in lines]
+    return [(r["step"], sorted(k for k in r if k != "step" and k not in METRIC_TIMINGS)) for r in records]
+
+
 def compare_metrics(ref: Path, out: Path) -> list[str]:
     ours, theirs = metric_values(out / "metrics.jsonl"), metric_values(ref / "metrics.jsonl")
     diffs = []
+    layout, ref_layout = record_layout(out / "metrics.jsonl"), record_layout(ref / "metrics.jsonl")
+    if layout != ref_layout:
+        diffs.append(f"metrics.jsonl: {len(layout)} records (steps {[s for s, _ in layout]}) after the resume, "
+                     f"{len(ref_layout)} (steps {[s for s, _ in ref_layout]}) in the reference")
     for key in sorted(set(ours) | set(theirs)):
         kind = "loss" if "loss" in key[1] else "metric"
         if key not in ours or key not in theirs:

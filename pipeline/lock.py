@@ -32,9 +32,10 @@ def job_id() -> str:
     """What the ranks of one job share and another job does not (the launcher's ids; else this process)."""
     env = os.environ
     # torchrun's TORCHELASTIC_RUN_ID is "none" for every standalone job; its rendezvous port is not shared.
-    for keys in (("SLURM_JOB_ID", "SLURM_STEP_ID"), ("MASTER_ADDR", "MASTER_PORT")):
-        if all(k in env for k in keys):
-            return ":".join(env[k] for k in keys)
+    # Every id present counts: two runs started from one Slurm step differ by their torchrun port.
+    keys = [k for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT") if k in env]
+    if keys:
+        return ":".join(env[k] for k in keys)
     return f"pid {os.getpid()}@{socket.gethostname()}"
 
 

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+STALE_TMP_S = 600  # a manifest write takes milliseconds: a temporary this old was left by a killed run
 
 
 class ManifestError(RuntimeError):
@@ -153,10 +154,15 @@ def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings
         **to_plain(extra),
     }
     path = out_dir / MANIFEST
-    # A run killed inside this write left its temporary (named by its pid); one writer per folder
-    # (pipeline/lock.py) makes any other one stale.
+    # A run killed inside this write left its temporary (named by its pid). Ranks of one job may write the
+    # manifest at nearly the same moment (the dump's last rank), so only a temporary older than any write
+    # takes is removed.
     for stale in out_dir.glob(f".{MANIFEST}.*.tmp"):
-        stale.unlink(missing_ok=True)
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_TMP_S:
+                stale.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
     atomic_write_text(path, json.dumps(doc, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
     return path
 

@@ -140,9 +140,11 @@ def checked_model_dir(path: Path) -> Path:
 def loading(what: str):
     """transformers' (and the GGUF parser's) failures to read a target -- weights missing or corrupt, a hub id
     that cannot be fetched -- as one TargetError naming it (EAGLET_TRACEBACK=1 shows the original)."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as e:  # RuntimeError: torch.load's
         # Ours already say what and where; a system error (disk full, permissions) is not about the target.
         if type(e).__module__.startswith("pipeline.") or getattr(e, "errno", None) is not None:
             raise

@@ -83,10 +83,10 @@ def tau_records(train_dir) -> dict[int, float]:
     return {r["step"]: r["eval/tau"] for r in read_metrics(train_dir / "metrics.jsonl") if "eval/tau" in r}
 
 
-@pytest.mark.parametrize("fault", ["tau_decoding:8:SIGKILL", "step_done:4:SIGTERM"])
-def test_an_interrupted_real_tau_decode_is_redone_on_resume(dump_root, tiny_model_dir, fault):
-    """The real-tau record of a checkpoint step survives a kill during its decode (the checkpoint comes after
-    it) and a stop request at that step (the resumed run decodes first)."""
+@pytest.mark.parametrize("fault, checkpoint", [("tau_decoding:8:SIGKILL", 8), ("step_done:4:SIGTERM", 4)])
+def test_an_interrupted_real_tau_decode_is_redone_on_resume(dump_root, tiny_model_dir, fault, checkpoint):
+    """The real-tau record of a checkpoint step survives a kill during its decode and a stop request at that
+    step (which saves without decoding): the run resumed at that checkpoint decodes first."""
     ref = overrides(dump_root, tiny_model_dir, "eagle3", "tau-ref", max_steps=8)
     main(as_config(ref))
     expected = tau_records(dump_root / EXPERIMENT / "train" / "tau-ref")
@@ -97,6 +97,6 @@ def test_an_interrupted_real_tau_decode_is_redone_on_resume(dump_root, tiny_mode
     out = run_cli(d, fault=fault)
     assert out.returncode in (-9, ckpt.REQUEUE_EXIT_CODE), out.stderr[-2000:]
     train_dir = dump_root / EXPERIMENT / "train" / name
-    assert ckpt.latest_checkpoint(train_dir).name == "step-4"
+    assert ckpt.latest_checkpoint(train_dir).name == f"step-{checkpoint}"
     main(as_config(d))
     assert tau_records(train_dir) == pytest.approx(expected, abs=1e-9)

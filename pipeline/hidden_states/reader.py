@@ -228,9 +228,11 @@ def shard_problem(dump_dir: Path, entry: dict, digest: bool = True) -> Optional[
     return problem and f"{entry['file']}: {problem}"
 
 
-def verify_dump(dump_dir: Union[str, Path]) -> list[str]:
-    """Rechecks every shard against the manifest (presence, size, sha256). Returns one line per bad shard,
-    naming it; empty when the dump is intact."""
+def verify_dump(dump_dir: Union[str, Path], shards: Optional[Sequence[int]] = None) -> list[str]:
+    """Rechecks every shard (or the given ones) against the manifest: presence, size, sha256. Returns one line
+    per bad shard, naming it; empty when the dump is intact. Ranks of a job check disjoint parts and combine
+    the verdict, so the dump is read for it once, not once per rank."""
     dump_dir = Path(dump_dir)
-    manifest = load_manifest(dump_dir, expect_stage="dump")
-    return [p for entry in manifest["shards"] if (p := shard_problem(dump_dir, entry))]
+    entries = load_manifest(dump_dir, expect_stage="dump")["shards"]
+    return [p for s in (range(len(entries)) if shards is None else shards)
+            if (p := shard_problem(dump_dir, entries[s]))]

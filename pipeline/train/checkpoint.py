@@ -102,6 +102,7 @@ def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     par.barrier()
+    error = None
     try:
         par.save_engine_state(model, tmp)
         _torch_save(rng_state(), tmp / f"rng-rank{par.rank}.pt")
@@ -110,10 +111,15 @@ def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler
             if not par.deepspeed:
                 _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
             _torch_save(scheduler.state_dict(), tmp / SCHEDULER)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk: free what the failed write took
-        raise
-    par.barrier()  # every rank's files are in place before the state file marks the checkpoint complete
+    except Exception as e:  # e.g. a full disk, which rank 0 (the big files) meets first
+        error = e
+    # Every rank learns of a failed write, so none waits at a barrier for a rank that gave up; the folder is
+    # removed once all have stopped writing into it.
+    if par.any(error is not None):
+        if par.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error or RuntimeError(f"checkpoint {final}: the write failed on another rank")
+    # every rank's files are in place before the state file marks the checkpoint complete (par.any synced)
     if par.is_main:
         # The state file closes the checkpoint and records every other file's digest: a resume refuses a
         # checkpoint whose bytes changed since (load_checkpoint).

@@ -77,3 +77,7 @@ class TrainConfig:
         self.schedule = Schedule.parse(self.schedule, "train.schedule")
         self.mixed_precision = MixedPrecision.parse(self.mixed_precision, "train.mixed_precision")
         self.on_nonfinite = OnNonFinite.parse(self.on_nonfinite, "train.on_nonfinite")
+        if self.on_nonfinite == OnNonFinite.skip and self.deepspeed_config:
+            raise ValueError("train.on_nonfinite=skip cannot be combined with train.deepspeed_config: DeepSpeed "
+                             "applies the step inside backward, before a non-finite gradient can be skipped "
+                             "(train.on_nonfinite=fail still stops the run at the first one)")

@@ -130,7 +130,7 @@ class TauProbe:
 # or a custom logger could be one too):
 #   "step_done"       step N's optimizer step is done, before anything is logged or saved
 #   "step_logged"     step N's metrics are written (a checkpoint at N, if any, comes after)
-#   "tau_decoding"    step N's real-tau decode starts (before step N's checkpoint)
+#   "tau_decoding"    step N's real-tau decode starts (after step N's checkpoint)
 #   "checkpoint_written"  step N's checkpoint is complete in its temporary directory, not yet renamed
 TRAINER_HOOKS: list[Callable[[str, int], None]] = []
 
@@ -145,11 +145,13 @@ class NonFiniteError(RuntimeError):
 
 
 def nonfinite_rows(batch: Batch) -> list[int]:
-    """Rows of a micro-batch whose states hold a NaN or inf (one reduction per tensor; per row only if any)."""
-    bad = torch.zeros(batch.input_ids.shape[0], dtype=torch.bool, device=batch.input_ids.device)
-    for states in (batch.final_hidden, batch.aux_hidden):
-        if states is not None and not bool(torch.isfinite(states).all()):
-            bad |= ~torch.isfinite(states).flatten(1).all(1)
+    """Rows of a (CPU) micro-batch whose states hold a NaN or inf: one combined reduction, per row only if any."""
+    states = [t for t in (batch.final_hidden, batch.aux_hidden) if t is not None]
+    if bool(torch.stack([torch.isfinite(t).all() for t in states]).all()):
+        return []
+    bad = torch.zeros(batch.input_ids.shape[0], dtype=torch.bool)
+    for t in states:
+        bad |= ~torch.isfinite(t).flatten(1).all(1)
     return bad.nonzero().flatten().tolist()
 
 
@@ -216,23 +218,50 @@ class Trainer:
                                                       self.cfg.bucket_size, self.cfg.seed, epoch))
         return self._epoch_cache[1]
 
-    def _collate(self, indices: Sequence[int], counts: Optional[dict] = None) -> Batch:
-        batch = collate(self.reader, indices, self.cfg.max_length, reads_aux(self.objective)).to(self.par.device)
-        if bad := nonfinite_rows(batch):
+    def _collate(self, indices: Sequence[int], found: dict) -> Batch:
+        """A micro-batch on the device. Rows with non-finite states are blanked and counted under
+        on_nonfinite=skip; under fail they are recorded in found["problems"] and left in, and every rank then
+        stops together at the step's end (_check_finite): a rank raising alone would leave the others
+        waiting in an all-reduce."""
+        batch = collate(self.reader, indices, self.cfg.max_length, reads_aux(self.objective))
+        if bad := nonfinite_rows(batch):  # checked on the CPU copy: no device sync
             where = self.locate_rows([indices[r] for r in bad])
             if self.cfg.on_nonfinite == "fail":
-                raise NonFiniteError(f"step {self.step + 1}: non-finite hidden states in {where}; repair or "
-                                     f"re-dump those rows, or set train.on_nonfinite=skip to leave them out")
-            log.warning("step %d: leaving out %d row(s) with non-finite states: %s", self.step + 1, len(bad), where)
-            blank_rows(batch, bad)
-            if counts is not None:
-                counts["nonfinite_rows"] = counts.get("nonfinite_rows", 0) + len(bad)
-        return batch
+                found.setdefault("problems", []).append(f"non-finite hidden states in {where}")
+            else:
+                log.warning("step %d: leaving out %d row(s) with non-finite states: %s", self.step + 1, len(bad),
+                            where)
+                blank_rows(batch, bad)
+                found["nonfinite_rows"] = found.get("nonfinite_rows", 0) + len(bad)
+        return batch.to(self.par.device)
 
-    def locate_rows(self, indices: Sequence[int]) -> str:
-        """Where rows come from, for messages: shard and row of a dump (DumpReader.locate), else ids."""
+    def locate_rows(self, indices: Sequence[int], show: int = 5) -> str:
+        """Where rows come from, for messages: shard and row of a dump (DumpReader.locate), else ids; the
+        first `show` of them and how many more."""
         locate = getattr(self.reader, "locate", None)
-        return "; ".join(locate(i) if locate else f"row {i} ({self.reader[i].id})" for i in indices)
+        shown = [locate(i) if locate else f"row {i} ({self.reader[i].id})" for i in indices[:show]]
+        more = f" and {len(indices) - show} more rows" if len(indices) > show else ""
+        return "; ".join(shown) + more
+
+    def _check_finite(self, found: dict, losses: list, grad_norm: Optional[float], rows: list) -> bool:
+        """The step's collective verdict (True: apply it): every rank's states and losses, and the all-reduced
+        gradient norm. Under fail a bad step stops every rank; under skip it is skipped on every rank."""
+        local = bool(found.get("problems")) or not bool(torch.isfinite(torch.stack(losses)).all())
+        bad = self.par.any(local) or (grad_norm is not None and not math.isfinite(grad_norm))
+        if not bad:
+            return True
+        problems = list(found.get("problems", []))
+        if not bool(torch.isfinite(torch.stack(losses)).all()):
+            problems.append(f"a non-finite loss on the micro-batches of {self.locate_rows(rows)}")
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            problems.append(f"a non-finite gradient (norm {grad_norm})")
+        what = "; ".join(problems) or "a non-finite loss on another rank"
+        if self.cfg.on_nonfinite == "fail":
+            raise NonFiniteError(f"step {self.step + 1}: {what}. Repair or re-dump those rows, or set "
+                                 f"train.on_nonfinite=skip to leave such rows and steps out")
+        log.warning("step %d skipped: %s", self.step + 1, what)
+        found["nonfinite_steps"] = 1
+        return False
 
     @staticmethod
     def _inputs(batch: Batch) -> dict:
@@ -244,32 +273,32 @@ class Trainer:
         epoch, in_epoch = self.locate(self.step)
         batches = self.batches_of_epoch(epoch)
         lr = self.scheduler.get_last_lr()[0]
-        sums, grad_norm, t0, skipped = {}, None, time.perf_counter(), {}
+        sums, grad_norm, t0, found, losses = {}, None, time.perf_counter(), {}, []
         self.model.train()
         positions = self.schedule.rank_batches(len(batches), in_epoch)
+        rows = [i for p in positions for i in batches[p]]
         for pos in positions:
-            batch = self._collate(batches[pos], skipped)
+            batch = self._collate(batches[pos], found)
             with self.par.accumulate(self.model):
                 out = self.model(**self._inputs(batch), noise_seed=noise_seed(self.cfg.seed, epoch, pos))
-                loss = float(out["loss"].detach())
-                if self.cfg.on_nonfinite == "fail" and not math.isfinite(loss):
-                    raise NonFiniteError(f"step {self.step + 1}: non-finite loss {loss:g} on the micro-batch of "
-                                         f"{self.locate_rows(batches[pos])}")
+                losses.append(out["loss"].detach())
                 self.par.backward(out["loss"])
                 step_ok = True
                 if self.par.sync_gradients:
                     grad_norm = self.par.clip_grad_norm(self.params, self.cfg.grad_clip)
-                    # The norm is of the all-reduced gradients: every rank takes the same decision.
-                    step_ok = grad_norm is None or math.isfinite(grad_norm)
-                    if not step_ok:
-                        self._nonfinite_gradient(grad_norm, [batches[p] for p in positions])
-                        skipped["nonfinite_steps"] = 1
+                    step_ok = self._check_finite(found, losses, grad_norm, rows)
                 if step_ok:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             add_stats(sums, micro_stats(self.objective, out, batch))
         self.scheduler.step()
         self.step += 1
+        skipped = {k: found[k] for k in ("nonfinite_rows", "nonfinite_steps") if k in found}
+        if self.cfg.on_nonfinite == "skip":  # rows are found per rank; the step verdict is already global
+            n = int(self.par.reduce_sum(torch.tensor([float(found.get("nonfinite_rows", 0))],
+                                                     device=self.par.device)).item())
+            skipped = {**skipped, "nonfinite_rows": n} if n else {k: v for k, v in skipped.items()
+                                                                   if k != "nonfinite_rows"}
         for key, n in skipped.items():
             self.skipped[key] += n
         sums = reduce_stats(sums, self.par.reduce_sum)
@@ -280,25 +309,21 @@ class Trainer:
                         "tokens_per_s": metrics.pop("train/tokens") / max(time.perf_counter() - t0, 1e-9)})
         return metrics
 
-    def _nonfinite_gradient(self, grad_norm: float, micro_batches: list) -> None:
-        where = self.locate_rows([i for b in micro_batches for i in b])
-        if self.cfg.on_nonfinite == "fail":
-            raise NonFiniteError(f"step {self.step + 1}: non-finite gradient (norm {grad_norm}) from this rank's "
-                                 f"micro-batches of {where}; set train.on_nonfinite=skip to skip such steps")
-        log.warning("step %d: non-finite gradient (norm %s): step skipped (this rank's rows: %s)", self.step + 1,
-                    grad_norm, where)
-
     # -- validation ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         objective = self.objective
         objective.eval()
-        sums = zero_stats(objective)
+        sums, found = zero_stats(objective), {}
         with self.par.autocast():
             for pos in range(self.par.rank, len(self.val_batches), self.par.world_size):
-                batch = self._collate(self.val_batches[pos])
+                batch = self._collate(self.val_batches[pos], found)
                 add_stats(sums, micro_stats(objective, objective(**self._inputs(batch)), batch))
         objective.train()
+        if self.par.any(bool(found.get("problems"))):  # every rank stops together (fail mode)
+            raise NonFiniteError(f"validation at step {self.step}: "
+                                 f"{'; '.join(found.get('problems', [])) or 'non-finite states on another rank'}. "
+                                 f"Repair or re-dump those rows, or set train.on_nonfinite=skip to leave them out")
         sums = reduce_stats(sums, self.par.reduce_sum)
         if float(sums["micro"][0]) == 0:
             return {}
@@ -311,16 +336,18 @@ class Trainer:
         return step == self.total_steps or bool(self.cfg.save_every and step % self.cfg.save_every == 0)
 
     def log_real_tau(self) -> None:
-        """Decodes and logs step N's real tau BEFORE step N's checkpoint is written: a checkpoint at N always
-        has N's records behind it, so a kill during the decode resumes from the checkpoint before and decodes
-        again, and a resumed run's metrics equal an uninterrupted run's."""
+        """Decodes and logs step N's real tau, after step N's checkpoint. A run resumed at a checkpoint step
+        without its record (killed during the decode, or stopped by a signal) decodes it first
+        (_probe_if_missing): the checkpoint restores the RNG state of before the decode, so the resumed run's
+        metrics equal an uninterrupted run's."""
         _announce("tau_decoding", self.step)
         if tau := self.real_tau():
             self.metrics.log(self.step, tau)
             log.info("step %d real tau %.3f (%.1f s)", self.step, tau["eval/tau"], tau["eval/decode_s"])
 
     def _probe_if_missing(self) -> None:
-        """A stop request at a checkpoint step saved without decoding: decode now, before training on."""
+        """A kill during a checkpoint step's decode, or a stop request at that step, left its checkpoint without
+        the decode's record: decode now, before training on."""
         from .metrics import read_metrics
 
         missing = (self.par.is_main and self.tau_probe is not None and self.probe_due(self.step)
@@ -403,10 +430,10 @@ class Trainer:
                 if self.par.is_main and (self.step % max(cfg.log_every, 1) == 0 or done or self.step == 1):
                     log.info("step %d/%d %s", self.step, self.total_steps, _fmt(metrics))
                 if done or stopping or self.probe_due(self.step):
+                    self.save()  # first: a preempted or killed decode never costs the steps since the last one
+                    last_saved = self.step
                     if not stopping:  # a stop request exits fast; the resumed run decodes (_probe_if_missing)
                         self.log_real_tau()
-                    self.save()
-                    last_saved = self.step
                 if stopping:
                     log.warning("stopped at step %d (checkpoint saved); exiting with %d for requeue",
                                 self.step, ckpt.REQUEUE_EXIT_CODE)

@@ -25,8 +25,16 @@ from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, save_head
 from pipeline.heads.vocab import build_draft_vocab
-from pipeline.hidden_states.reader import DumpReader
-from pipeline.manifest import MANIFEST, digest_file, file_digests, to_plain, write_manifest
+from pipeline.hidden_states.reader import REPAIR, DumpReader, verify_dump
+from pipeline.manifest import (
+    MANIFEST,
+    ManifestError,
+    digest_file,
+    file_digests,
+    load_manifest,
+    to_plain,
+    write_manifest,
+)
 from pipeline.target import load_target
 
 from . import checkpoint as ckpt
@@ -121,8 +129,14 @@ def load_rows(cfg, par: Parallel, online: bool):
     # The layers a head fuses are the ones the dump captured (its manifest); ids set in dump.layer_ids must
     # match them (a mismatch means the dump is stale), unset ones are not recomputed here.
     fuses_layers = head_spec(cfg.head.kind).fuses_target_layers
+    if cfg.train.verify_inputs:  # before any shard is parsed; each rank hashes its share, all stop if any is bad
+        n_shards = len(load_manifest(dump_dir, expect_stage="dump")["shards"])
+        problems = verify_dump(dump_dir, range(par.rank, n_shards, par.world_size))
+        if par.any(bool(problems)):
+            raise ManifestError(f"dump {dump_dir}: shard {'; '.join(problems) or 'found bad by another rank'}; "
+                                f"{REPAIR}")
     reader = DumpReader(dump_dir, expect_target=target.fingerprint,
-                        expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None, verify=cfg.train.verify_inputs)
+                        expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None, verify=False)
     # No "source" key offline: checkpoints written before train.source existed still resume.
     return target, reader, [dump_dir], {"dump_manifest_sha256": digest_file(dump_dir / MANIFEST)}
 
