@@ -5,9 +5,10 @@ naming the running one, instead of two processes interleaving shards, checkpoint
 The kernel drops a flock when its process dies (kill -9 included), so a lock is never stale and nothing
 needs cleaning up. Each rank of a multi-process job locks its own file: the ranks of one job never collide,
 while every rank of a second job meets its counterpart. A rank > 0 also checks that rank 0's lock, if held,
-belongs to its own job (same job id): a second job's rank 1 does not start writing while its rank 0 is
-being refused. flock is local to a machine on most network filesystems' defaults (NFS emulates it with
-POSIX locks, Lustre needs `-o flock`): ranks of two jobs on different nodes are held apart only there."""
+belongs to its own job (same launcher job id, when the launcher gives one): a second job's rank 1 does not
+start writing while its rank 0 is being refused. flock is local to a machine on some network filesystems
+(NFS emulates it with POSIX locks, Lustre needs `-o flock`): ranks of two jobs on different nodes are held
+apart only where it is not."""
 from __future__ import annotations
 
 import fcntl
@@ -28,15 +29,15 @@ class OutputLocked(RuntimeError):
     pass
 
 
-def job_id() -> str:
-    """What the ranks of one job share and another job does not (the launcher's ids; else this process)."""
+def job_id() -> Optional[str]:
+    """What the ranks of one job share and another job does not: the launcher's ids. None when there are none
+    (ranks started by hand with RANK/WORLD_SIZE): then ranks > 0 cannot tell their rank 0 from another job's
+    and rely on their own lock file alone."""
     env = os.environ
     # torchrun's TORCHELASTIC_RUN_ID is "none" for every standalone job; its rendezvous port is not shared.
     # Every id present counts: two runs started from one Slurm step differ by their torchrun port.
     keys = [k for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT") if k in env]
-    if keys:
-        return ":".join(env[k] for k in keys)
-    return f"pid {os.getpid()}@{socket.gethostname()}"
+    return ":".join(env[k] for k in keys) if keys else None
 
 
 def _holder(path: Path) -> dict:
@@ -95,7 +96,7 @@ class OutputLock:
               "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
-        if self.rank.rank > 0:
+        if self.rank.rank > 0 and me["job"] is not None:
             self._check_rank0(me["job"])
         return self
 
