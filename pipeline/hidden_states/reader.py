@@ -95,7 +95,6 @@ class DumpReader:
         on a shared filesystem must never train); bench/bench_integrity.py measures its cost against a
         training epoch. False only for callers that verified the dump otherwise."""
         self.dir = Path(dump_dir)
-        self.verify_digests = verify
         self.manifest = load_manifest(self.dir, expect_stage="dump")
         self._check_manifest(expect_target, expect_layer_ids, expect_tokenizer_digest)
         self.layer_ids: list[int] = list(self.manifest["layers"]["ids"])
@@ -103,7 +102,7 @@ class DumpReader:
         self.dtype: torch.dtype = DTYPES[self.manifest["dtype"]]
         self._shards: dict[int, _Shard] = {}
         self._batches: OrderedDict = OrderedDict()
-        self._index()
+        self._index(verify)
 
     # -- checks -------------------------------------------------------------------------------------------
 
@@ -124,11 +123,11 @@ class DumpReader:
             check_equal("dump tokenizer/chat-template digest", expect_tokenizer_digest, m.get("tokenizer_digest"),
                         "expected", str(path))
 
-    def _index(self) -> None:
+    def _index(self, verify: bool) -> None:
         """Row -> (shard, batch, row in batch) and lengths, from the token offsets only (no state pages)."""
         shard_ix, batch_ix, row_ix, lengths = [], [], [], []
         for s, entry in enumerate(self.manifest["shards"]):
-            problem = shard_problem(self.dir, entry, digest=self.verify_digests)
+            problem = shard_problem(self.dir, entry, digest=verify)
             if problem:
                 raise ManifestError(f"dump {self.dir}: shard {problem}; {REPAIR}")
             path = self.dir / entry["file"]
@@ -228,11 +227,10 @@ def shard_problem(dump_dir: Path, entry: dict, digest: bool = True) -> Optional[
     return problem and f"{entry['file']}: {problem}"
 
 
-def verify_dump(dump_dir: Union[str, Path], shards: Optional[Sequence[int]] = None) -> list[str]:
-    """Rechecks every shard (or the given ones) against the manifest: presence, size, sha256. Returns one line
-    per bad shard, naming it; empty when the dump is intact. Ranks of a job check disjoint parts and combine
-    the verdict, so the dump is read for it once, not once per rank."""
+def verify_dump(dump_dir: Union[str, Path], rank: int = 0, world_size: int = 1) -> list[str]:
+    """Rechecks every shard against the manifest: presence, size, sha256. Returns one line per bad shard,
+    naming it; empty when the dump is intact. With several ranks each checks its round-robin share and they
+    combine the verdict, so the dump is read for it once, not once per rank."""
     dump_dir = Path(dump_dir)
     entries = load_manifest(dump_dir, expect_stage="dump")["shards"]
-    return [p for s in (range(len(entries)) if shards is None else shards)
-            if (p := shard_problem(dump_dir, entries[s]))]
+    return [p for entry in entries[rank::world_size] if (p := shard_problem(dump_dir, entry))]

@@ -144,6 +144,10 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+# What on_nonfinite=skip leaves out, counted in the metrics (train/skipped_*), checkpoints and the manifest.
+SKIP_COUNTS = ("nonfinite_rows", "nonfinite_steps")
+
+
 def nonfinite_rows(batch: Batch) -> list[int]:
     """Rows of a (CPU) micro-batch whose states hold a NaN or inf: one combined reduction, per row only if any."""
     states = [t for t in (batch.final_hidden, batch.aux_hidden) if t is not None]
@@ -201,7 +205,7 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, self.total_steps, cfg)
         self.model, self.optimizer = par.prepare(objective, optimizer)
         self.step = 0
-        self.skipped = {"nonfinite_rows": 0, "nonfinite_steps": 0}  # under on_nonfinite=skip; checkpointed
+        self.skipped = dict.fromkeys(SKIP_COUNTS, 0)  # under on_nonfinite=skip; checkpointed
 
     # -- data --------------------------------------------------------------------------------------------------
     def locate(self, step: int) -> tuple[int, int]:
@@ -246,14 +250,14 @@ class Trainer:
     def _check_finite(self, found: dict, losses: list, grad_norm: Optional[float], rows: list) -> bool:
         """The step's collective verdict (True: apply it): every rank's states and losses, and the all-reduced
         gradient norm. Under fail a bad step stops every rank; under skip it is skipped on every rank."""
-        local = bool(found.get("problems")) or not bool(torch.isfinite(torch.stack(losses)).all())
-        bad = self.par.any(local) or (grad_norm is not None and not math.isfinite(grad_norm))
-        if not bad:
+        losses_ok = bool(torch.isfinite(torch.stack(losses)).all())
+        grad_ok = grad_norm is None or math.isfinite(grad_norm)  # all-reduced: the same on every rank
+        if not self.par.any(bool(found.get("problems")) or not losses_ok) and grad_ok:
             return True
         problems = list(found.get("problems", []))
-        if not bool(torch.isfinite(torch.stack(losses)).all()):
+        if not losses_ok:
             problems.append(f"a non-finite loss on the micro-batches of {self.locate_rows(rows)}")
-        if grad_norm is not None and not math.isfinite(grad_norm):
+        if not grad_ok:
             problems.append(f"a non-finite gradient (norm {grad_norm})")
         what = "; ".join(problems) or "a non-finite loss on another rank"
         if self.cfg.on_nonfinite == "fail":
@@ -293,12 +297,11 @@ class Trainer:
             add_stats(sums, micro_stats(self.objective, out, batch))
         self.scheduler.step()
         self.step += 1
-        skipped = {k: found[k] for k in ("nonfinite_rows", "nonfinite_steps") if k in found}
+        skipped = {k: found.get(k, 0) for k in SKIP_COUNTS}
         if self.cfg.on_nonfinite == "skip":  # rows are found per rank; the step verdict is already global
-            n = int(self.par.reduce_sum(torch.tensor([float(found.get("nonfinite_rows", 0))],
-                                                     device=self.par.device)).item())
-            skipped = {**skipped, "nonfinite_rows": n} if n else {k: v for k, v in skipped.items()
-                                                                   if k != "nonfinite_rows"}
+            skipped["nonfinite_rows"] = int(self.par.reduce_sum(torch.tensor(
+                [float(skipped["nonfinite_rows"])], device=self.par.device)).item())
+        skipped = {k: n for k, n in skipped.items() if n}  # logged only when something was left out
         for key, n in skipped.items():
             self.skipped[key] += n
         sums = reduce_stats(sums, self.par.reduce_sum)

@@ -31,7 +31,6 @@ from pipeline.manifest import (
     ManifestError,
     digest_file,
     file_digests,
-    load_manifest,
     to_plain,
     write_manifest,
 )
@@ -130,8 +129,7 @@ def load_rows(cfg, par: Parallel, online: bool):
     # match them (a mismatch means the dump is stale), unset ones are not recomputed here.
     fuses_layers = head_spec(cfg.head.kind).fuses_target_layers
     if cfg.train.verify_inputs:  # before any shard is parsed; each rank hashes its share, all stop if any is bad
-        n_shards = len(load_manifest(dump_dir, expect_stage="dump")["shards"])
-        problems = verify_dump(dump_dir, range(par.rank, n_shards, par.world_size))
+        problems = verify_dump(dump_dir, par.rank, par.world_size)
         if par.any(bool(problems)):
             raise ManifestError(f"dump {dump_dir}: shard {'; '.join(problems) or 'found bad by another rank'}; "
                                 f"{REPAIR}")
