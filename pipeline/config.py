@@ -8,6 +8,7 @@ from typing import Optional
 
 from pipeline.choices import Choice
 from pipeline.data.config import DataConfig, SourceConfig  # noqa: F401  (re-exported)
+from pipeline.data.templates import template_label
 from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.export.config import ExportConfig
 from pipeline.heads import HeadConfig
@@ -96,8 +97,9 @@ class EagletConfig:
         # head) in an existing folder is refused by the eval's identity check, never mixed.
         lookup = (f"-ngram{e.lookup.min_ngram}to{e.lookup.max_ngram}" if e.drafter == "prompt_lookup" else "")
         depth, total = ("auto" if v == -1 else v for v in (t.depth, t.total_tokens))
+        template = f"-tpl-{template_label(self.target.chat_template)}" if self.target.chat_template else ""
         return (f"{stem}{limit}-T{e.temperature:g}-m{e.max_new_tokens}-{self.target_precision}"
-                f"-tree{t.top_k}x{depth}x{total}{lookup}")
+                f"-tree{t.top_k}x{depth}x{total}{lookup}{template}")
 
     @property
     def target_precision(self) -> str:

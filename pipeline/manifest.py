@@ -7,11 +7,14 @@ import enum
 import errno
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -195,14 +198,25 @@ def check_equal(what: str, ours: Any, theirs: Any, ours_label: str, theirs_label
 FINGERPRINT_KEYS = ("config_digest", "tokenizer_digest", "weights_digest")
 
 
-def check_target(fingerprint: dict, manifest: dict, manifest_path: Path, what: str = "target") -> None:
-    """The input was made with the same target (architecture, tokenizer + chat template, weights)."""
+def check_target(fingerprint: dict, manifest: dict, manifest_path: Path, what: str = "target",
+                 allow_template_mismatch: bool = False) -> None:
+    """The input was made with the same target (architecture, tokenizer + chat template, weights).
+    `allow_template_mismatch`: the chat template may differ (the template experiment, docs/results.md); the
+    vocabulary and special tokens must not (`vocab_digest`), and the difference is logged."""
     theirs = manifest.get("target") or {}
     keys = FINGERPRINT_KEYS
     if "weights_digest" in theirs and theirs["weights_digest"] is None:
         # Made through a server (regen's openai backend): its weights are unknown to eaglet, so only the
         # architecture and the tokenizer + chat template can be held to account.
         keys = tuple(k for k in FINGERPRINT_KEYS if k != "weights_digest")
+    if allow_template_mismatch and fingerprint.get("tokenizer_digest") != theirs.get("tokenizer_digest"):
+        if "vocab_digest" not in theirs:
+            raise ManifestError(f"{manifest_path}: made before eaglet recorded the vocabulary apart from the chat "
+                                f"template (vocab_digest), so a template change cannot be allowed for it")
+        log.warning("%s: chat template differs on purpose (allow_template_mismatch): current %s, %s %s", what,
+                    fingerprint.get("chat_template") or "the tokenizer's own", manifest_path,
+                    theirs.get("chat_template") or "the tokenizer's own")
+        keys = tuple("vocab_digest" if k == "tokenizer_digest" else k for k in keys)
     for key in keys:
         check_equal(f"{what} {key.replace('_', ' ')}", fingerprint.get(key), theirs.get(key),
                     f"current target {fingerprint.get('name')} ({fingerprint.get('source')})",

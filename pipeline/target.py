@@ -52,6 +52,10 @@ class TargetConfig:
     dtype: str = "auto"
     cache_dir: Optional[str] = None  # default: $EAGLET_CACHE or ~/.cache/eaglet
     attn_implementation: str = "sdpa"
+    # Replace the tokenizer's chat template: a name in pipeline/data/templates.py (`vicuna`) or a Jinja file.
+    # It is part of the target's identity: stages refuse inputs made with another template, and eval refuses a
+    # head trained with another one unless eval.allow_template_mismatch=true (the template experiment).
+    chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -244,11 +248,14 @@ def materialize(cfg: TargetConfig) -> tuple[str, str]:
 # fingerprint
 
 
-def tokenizer_digest(tokenizer) -> str:
+def tokenizer_digest(tokenizer, with_template: bool = True) -> str:
+    """Vocabulary, special tokens and (with_template) the chat template. Without the template it is the
+    fingerprint's `vocab_digest`: what must still match when a template change is allowed on purpose."""
     h = hashlib.sha256()
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     h.update(json.dumps(vocab, ensure_ascii=False).encode())
-    h.update((tokenizer.chat_template or "").encode())
+    if with_template:
+        h.update((tokenizer.chat_template or "").encode())
     specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
     h.update(json.dumps(specials, sort_keys=True).encode())
     return h.hexdigest()[:16]
@@ -315,6 +322,8 @@ def compute_fingerprint(hf_config, tokenizer, cfg: TargetConfig, source: str, we
         "config": summary,
         "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
         "tokenizer_digest": tokenizer_digest(tokenizer),
+        "vocab_digest": tokenizer_digest(tokenizer, with_template=False),
+        "chat_template": cfg.chat_template,  # None: the tokenizer's own
         "weights_digest": weights,
     }
 
@@ -331,7 +340,12 @@ def _tokenizer(location: str, cfg: TargetConfig):
     from transformers import AutoTokenizer
 
     with loading(location):
-        return AutoTokenizer.from_pretrained(location, revision=cfg.revision)
+        tokenizer = AutoTokenizer.from_pretrained(location, revision=cfg.revision)
+    if cfg.chat_template:
+        from pipeline.data.templates import resolve_chat_template
+
+        tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
+    return tokenizer
 
 
 def _from_pretrained(location: str, cfg: TargetConfig, dtype):

@@ -71,3 +71,39 @@ def test_eval_stage_runs_prompt_lookup_without_a_head(tiny_model_dir, tmp_path):
     assert summary["head"]["kind"] == "prompt_lookup" and summary["greedy_matches_baseline"] == "2/2"
     assert json.loads((runs[0] / "manifest.json").read_text())["inputs"] == []
     assert not (tmp_path / cfg.name / "train").exists()
+
+
+def test_a_smaller_lookup_tree_accepts_what_the_tree_choice_simulates():
+    # tree.total_tokens=-1 calibrates with one big tree and derives every smaller one (autotree.py): for prompt
+    # lookup that holds when a smaller tree is the first-inserted part of the big one. Contexts with many
+    # repeats (a small alphabet) give tries with shared prefixes, distinct long continuations and full trees.
+    from pipeline.eval.autotree import StepRecord, subtree_accepted
+
+    rng = torch.Generator().manual_seed(0)
+    big, checked = TreeSpec(top_k=6, depth=7, total_tokens=24), 0
+    for trial in range(40):
+        context = torch.randint(0, 3 + trial % 4, (80,), generator=rng).tolist()
+        truth = torch.randint(0, 3 + trial % 4, (big.depth + 1,), generator=rng).tolist()
+        tree = drafter_on(context).draft(big)
+        path = [0]
+        for tok in truth:  # the big tree's accepted path: the longest one spelling the target's continuation
+            nxt = next((c for c in tree.children[path[-1]] if tree.token_list[c] == tok), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+        step = StepRecord(tree.scores.tolist(), tree.depths, path, big.total_tokens - 1, big.top_k)
+        for depth in range(0, big.depth + 1):
+            for total in (2, 3, 5, 8, 13, 24):
+                sim = subtree_accepted(step, depth, total)
+                if sim is None:
+                    continue
+                small = drafter_on(context).draft(TreeSpec(big.top_k, depth, total))
+                node, accepted = 0, 0
+                for tok in truth:
+                    node = next((c for c in small.children[node] if small.token_list[c] == tok), None)
+                    if node is None:
+                        break
+                    accepted += 1
+                assert sim == accepted, (trial, depth, total)
+                checked += 1
+    assert checked > 500

@@ -81,6 +81,9 @@ class EvalConfig:
     time_budget_s: Optional[float] = None
     # A partial run with other settings or another head is refused unless set (it is then discarded).
     overwrite: bool = False
+    # Decode with a head trained under another chat template than target.chat_template gives: refused unless
+    # set (the template experiment, docs/results.md; the vocabulary must still match).
+    allow_template_mismatch: bool = False
     # Moved to `tree` (MOVED); kept only to name the new key when an old override sets them.
     top_k: Optional[int] = None
     depth: Optional[int] = None

@@ -10,7 +10,8 @@ verification tries them in.
 
 The drafts are deterministic (no proposal distribution), so verification is lossless at any temperature
 for the same reason as EAGLE-2's top-k trees (verify.py). No target states are needed: `feature_layers`
-is empty.
+is empty. Nodes are scored by insertion order, so `tree.total_tokens=-1` chooses a lookup tree too: a tree of
+smaller depth or size keeps exactly the first-inserted nodes of a bigger one.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from typing import Optional
 import torch
 
 from .tree import DraftTree, TreeSpec
+
+# Occurrences are told apart by this many following tokens (more than any tree's depth + 1 in practice).
+DISTINCT_HORIZON = 16
 
 
 class PromptLookupDrafter:
@@ -37,22 +41,25 @@ class PromptLookupDrafter:
         self.context.extend(int(t) for t in next_tokens.tolist())
 
     def continuations(self, top_k: int, length: int) -> list[list[int]]:
-        """What followed the most recent occurrences of the longest matching suffix n-gram, most recent first
-        (distinct ones only, each at most `length` tokens)."""
+        """What followed the `top_k` most recent occurrences of the longest matching suffix n-gram, most recent
+        first, each cut to `length` tokens. Occurrences count as distinct by what followed them over
+        `DISTINCT_HORIZON` tokens (or `length`, if longer), not over `length`: which occurrences are taken then
+        does not depend on the depth, so a shallower tree is exactly a part of a deeper one (autotree.py)."""
         ctx = self.context
+        horizon = max(length, DISTINCT_HORIZON)
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             suffix = ctx[-n:]
-            found: list[list[int]] = []
+            seen: list[list[int]] = []
             # Occurrences ending before the suffix itself, newest first; each must be followed by a token.
             for start in range(len(ctx) - n - 1, -1, -1):
                 if ctx[start:start + n] == suffix:
-                    cont = ctx[start + n:start + n + length]
-                    if cont not in found:
-                        found.append(cont)
-                    if len(found) == top_k:
+                    cont = ctx[start + n:start + n + horizon]
+                    if cont not in seen:
+                        seen.append(cont)
+                    if len(seen) == top_k:
                         break
-            if found:
-                return found
+            if seen:
+                return [cont[:length] for cont in seen]
         return []
 
     def draft(self, spec: TreeSpec, temperature: float = 0.0, generator: Optional[torch.Generator] = None) -> DraftTree:
@@ -68,4 +75,7 @@ class PromptLookupDrafter:
                     tokens.append(tok)
                     parents.append(node)
                 node = children[(node, tok)]
-        return DraftTree(torch.tensor(tokens, dtype=torch.long), parents)
+        # Scores rank the nodes in insertion order (the root first): the tree of a smaller depth or size is
+        # then the best-scored prefix of this one, which is what the tree choice (autotree.py) assumes.
+        scores = -torch.arange(len(tokens), dtype=torch.float32)
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), parents, scores=scores)

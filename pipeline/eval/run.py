@@ -44,7 +44,8 @@ def build_drafter(cfg, target):
         return PromptLookupDrafter(lk.max_ngram, lk.min_ngram), info, []
     train_dir = cfg.stage_dir("train")
     train_manifest = load_manifest(train_dir, expect_stage="train")
-    head = load_head(train_dir, target)  # refuses a head trained on another target
+    # Refuses a head trained on another target (or chat template, unless allowed on purpose).
+    head = load_head(train_dir, target, allow_template_mismatch=cfg.eval.allow_template_mismatch)
     info = {"name": cfg.head.name, "kind": head.config.kind,
             "train_manifest_code_version": train_manifest.get("code_version"), "config": head.config.to_dict()}
     return make_drafter(head), info, [train_dir]
@@ -78,7 +79,8 @@ def main(cfg) -> dict:
     settings = {"top_k": cfg.tree.top_k, "depth": cfg.tree.depth, "total_tokens": cfg.tree.total_tokens,
                 "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
                 "device": str(target.device), "dtype": target.precision,
-                "questions": cfg.eval.questions or "demo", "head": cfg.eval_subject}
+                "questions": cfg.eval.questions or "demo", "head": cfg.eval_subject,
+                **({"chat_template": cfg.target.chat_template} if cfg.target.chat_template else {})}
     identity = {"settings": settings, "seed": cfg.eval.seed, "baseline": cfg.eval.baseline,
                 "baseline_limit": cfg.eval.baseline_limit, "system_prompt": cfg.data.system_prompt,
                 **({"head_manifest_sha256": digest_file(inputs[0] / MANIFEST)} if inputs else

@@ -68,13 +68,15 @@ def load_head_weights(head: nn.Module, directory: Path) -> None:
 
 
 def load_head(train_dir: Path, target, device: Optional[torch.device] = None,
-              dtype: Optional[torch.dtype] = None) -> nn.Module:
+              dtype: Optional[torch.dtype] = None, allow_template_mismatch: bool = False) -> nn.Module:
     """The trained head of a completed train stage, in eval mode, with its frozen embedding (and EAGLE-1
     lm_head) copied from `target` (a pipeline.target.Target) -- which must be the target it was trained on
-    (fingerprint checked against the train manifest). Device/dtype default to the target's."""
+    (fingerprint checked against the train manifest; `allow_template_mismatch`: but for the chat template).
+    Device/dtype default to the target's."""
     train_dir = Path(train_dir)
     manifest = load_manifest(train_dir, expect_stage="train")
-    check_target(target.fingerprint, manifest, train_dir / "manifest.json")
+    check_target(target.fingerprint, manifest, train_dir / "manifest.json",
+                 allow_template_mismatch=allow_template_mismatch)
     final = train_dir / FINAL
     if "head_files" in manifest:  # heads trained before the digests were recorded load unchecked
         check_files(final, manifest["head_files"], "trained head",

@@ -129,6 +129,8 @@ def resolve_backend(cfg: EagletConfig) -> str:
             return previous
 
     on_cpu = resolve_device(cfg.target.device).type == "cpu"
+    if cfg.target.chat_template:  # a server renders chats with its own template, never eaglet's
+        return "hf"
     if on_cpu and find_binary(rcfg.llamacpp, cfg.target) is not None and resolve_source(cfg.target)[0] == "gguf":
         return "llamacpp"
     return "hf"
@@ -154,6 +156,10 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
         generation["precision"] = target.precision
         return backend, target.fingerprint, generation
 
+    if cfg.target.chat_template:
+        raise ValueError(f"target.chat_template={cfg.target.chat_template!r} with regen.backend={name}: the server "
+                         f"renders each chat with its own template, so the answers would not be the ones that "
+                         f"template asks for; use regen.backend=hf")
     from pipeline.regen.openai_backend import OpenAIBackend
     from pipeline.target import load_tokenizer, resolve_source
 
