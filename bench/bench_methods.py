@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="the methods' target precision (target.dtype)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of %(default)s")
+    ap.add_argument("--report-only", action="store_true",
+                    help="decode nothing more: the table of the turns the journal holds")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "methods.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -182,29 +184,27 @@ def main() -> None:
     choice_s = time.perf_counter() - t0
 
     done = [json.loads(line) for line in journal.read_text().splitlines()] if journal.is_file() else []
-    done_keys = {(t["question_id"], t["turn"]) for t in done}
-    n = len(done)
-    for q in questions:
-        messages = system_messages(q)
-        for ti, user in enumerate(q.turns):
-            messages.append({"role": "user", "content": user})
+    answers = {(t["question_id"], t["turn"]): t["vanilla_answer"] for t in done}
+    variants = {m: (drafters[m], trees[m]) for m in drafters}
+    # Turn-major: every question's first turn, then every second turn (its history: the vanilla first answer),
+    # so a bench stopped early has covered whole turns of every question.
+    for ti in range(0 if args.report_only else max(len(q.turns) for q in questions)):
+        for q in (q for q in questions if ti < len(q.turns) and (q.id, ti) not in answers):
+            messages = system_messages(q)
+            for tj in range(ti):
+                messages += [{"role": "user", "content": q.turns[tj]},
+                             {"role": "assistant", "content": answers[(q.id, tj)]}]
+            messages.append({"role": "user", "content": q.turns[ti]})
             prompt = torch.tensor(render_prompt(target.tokenizer, messages))
-            key = (q.id, ti)
-            if key in done_keys:
-                answer = next(t["vanilla_answer"] for t in done if (t["question_id"], t["turn"]) == key)
-            else:
-                variants = {m: (drafters[m], trees[m]) for m in drafters}
-                record, base = decode_turn(target, fp32_model, variants, prompt, args.max_new_tokens, eos, n)
-                answer = target.tokenizer.decode(base, skip_special_tokens=True).strip()
-                entry = {"question_id": q.id, "turn": ti, "category": q.category, "prompt_tokens": len(prompt),
-                         "vanilla_answer": answer, **record}
-                with journal.open("a") as f:
-                    f.write(json.dumps(entry) + "\n")
-                done.append(entry)
-                n += 1
-                print(f"[{n}] q{q.id} turn {ti}: " + "  ".join(
-                    f"{name} {r['tokens'] / r['wall_s']:.1f}" for name, r in record.items()), flush=True)
-            messages.append({"role": "assistant", "content": answer})
+            record, base = decode_turn(target, fp32_model, variants, prompt, args.max_new_tokens, eos, len(done))
+            answers[(q.id, ti)] = target.tokenizer.decode(base, skip_special_tokens=True).strip()
+            entry = {"question_id": q.id, "turn": ti, "category": q.category, "prompt_tokens": len(prompt),
+                     "vanilla_answer": answers[(q.id, ti)], **record}
+            with journal.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
+            done.append(entry)
+            print(f"[{len(done)}] q{q.id} turn {ti + 1}: " + "  ".join(
+                f"{name} {r['tokens'] / r['wall_s']:.1f}" for name, r in record.items()), flush=True)
 
     rows = aggregate(done, list(drafters), trees)
     table = markdown(rows, info)
@@ -212,6 +212,7 @@ def main() -> None:
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                           "torch": torch.__version__},
               "questions": args.questions, "limit": args.limit, "turns": len(done),
+              "turns_by_index": {str(i + 1): sum(t["turn"] == i for t in done) for i in range(2)},
               "max_new_tokens": args.max_new_tokens, "temperature": 0, "precision": target.precision,
               "tree_choice_s": choice_s, "rows": rows, "methods": info, "tree_choices": trees, "table": table}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
