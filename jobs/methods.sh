@@ -3,13 +3,14 @@
 # line to continue). Costs are for a 2-core CPU (AMD EPYC, AVX512-BF16) at the rates of docs/results.md.
 #
 #   jobs/methods.sh data       # regen (llama.cpp, ~90k answer tokens, ~15 min) and the bf16 dump (~3 min)
-#   jobs/methods.sh heads      # EAGLE-3, EAGLE-3 + 3.1, the two 3.1 options alone, EAGLE-1, Medusa-1: one budget
+#   jobs/methods.sh heads      # EAGLE-3, EAGLE-3 + 3.1, EAGLE-1, Medusa-1: one budget (~25 min)
+#   jobs/methods.sh ablation   # the two 3.1 options alone (~12 min)
 #   jobs/methods.sh table      # bench/bench_methods.py: every method on 40 MT-bench questions (~70 min)
 #   jobs/methods.sh analyses   # bench/analyses.py: chain and tree sweeps, the template experiment, a tree picture
 # Extra Hydra overrides go to every stage: jobs/methods.sh data data.root=/data/eaglet
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEP=${1:?"step: data | heads | table | analyses"}; shift
+STEP=${1:?"step: data | heads | ablation | table | analyses"}; shift
 EXP=(experiment=smollm2_methods "$@")
 run() { python -m pipeline.run "$@"; }
 
@@ -24,7 +25,9 @@ heads)
   run stage=train head=eagle3 head.name=eagle3-31 head.fc_norm=true head.norm_output=true "${EXP[@]}"
   run stage=train head=eagle1 "${EXP[@]}"
   run stage=train head=medusa "${EXP[@]}"
-  # The 3.1 ablation's single-option cells (docs/results.md, "EAGLE-3.1 options").
+  ;;
+ablation)
+  # The 3.1 ablation's single-option cells (docs/results.md, "EAGLE-3.1 options"), beside eagle3 and eagle3-31.
   run stage=train head=eagle3 head.name=eagle3-fcnorm head.fc_norm=true "${EXP[@]}"
   run stage=train head=eagle3 head.name=eagle3-normout head.norm_output=true "${EXP[@]}"
   ;;
@@ -35,6 +38,6 @@ analyses)
   python bench/analyses.py
   ;;
 *)
-  echo "unknown step $STEP: data | heads | table | analyses" >&2; exit 2
+  echo "unknown step $STEP: data | heads | ablation | table | analyses" >&2; exit 2
   ;;
 esac
