@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 
-from bench_methods import MT_BENCH, aggregate, decode_turn  # noqa: E402
+from bench_methods import MT_BENCH, aggregate, decode_turn, fp32_vanilla_pays  # noqa: E402
 from pipeline.data.bad_records import BadRecordReport  # noqa: E402
 from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
 from pipeline.eval.autotree import RecordingDrafter, accepted_paths  # noqa: E402
@@ -69,7 +69,8 @@ def draft_sweep(target, fp32_model, head, prompts: int, max_new_tokens: int, wor
         if i < len(done):
             continue
         prompt = torch.tensor(render_prompt(target.tokenizer, [{"role": "user", "content": q.turns[0]}]))
-        record, _ = decode_turn(target, fp32_model, variants, prompt, max_new_tokens, eos, i)
+        fp32 = fp32_model if fp32_vanilla_pays(done) else None
+        record, _ = decode_turn(target, fp32, variants, prompt, max_new_tokens, eos, i)
         with journal.open("a") as f:
             f.write(json.dumps({"question_id": q.id, **record}) + "\n")
         done.append(record)
