@@ -150,6 +150,16 @@ def aggregate(turns: list[dict], methods: list[str], trees: dict) -> dict:
     return rows
 
 
+def choice_if_verification_were_flat(choice: dict) -> dict:
+    """The tree `choice`'s table would give if a verification forward cost the same for every size, as on a
+    GPU far from its compute bound (a 135M target on an H200), drafting keeping its measured share: every
+    (depth, N) re-timed with verify(N) = verify(smallest N)."""
+    verify = {int(n): ms for n, ms in choice["verify_ms"].items()}
+    flat, draft = min(verify.values()), choice["draft_ms_per_round"]
+    best = max(choice["table"], key=lambda r: r["tokens_per_step"] / (draft * (r["depth"] + 2) + flat))
+    return {"depth": best["depth"], "total_tokens": best["total_tokens"], "tokens_per_step": best["tokens_per_step"]}
+
+
 def markdown(rows: dict, info: dict) -> str:
     lines = ["| method | tau | alpha_1 | alpha_2 | alpha_3 | tokens/s | speedup | = vanilla "
              "| tree (depth, top_k, tokens) |",
@@ -229,7 +239,8 @@ def main() -> None:
               "questions": args.questions, "limit": args.limit, "turns": len(done),
               "turns_by_index": {str(i + 1): sum(t["turn"] == i for t in done) for i in range(2)},
               "max_new_tokens": args.max_new_tokens, "temperature": 0, "precision": target.precision,
-              "tree_choice_s": choice_s, "rows": rows, "methods": info, "tree_choices": trees, "table": table}
+              "tree_choice_s": choice_s, "rows": rows, "methods": info, "tree_choices": trees, "table": table,
+              "tree_if_verification_were_flat": {m: choice_if_verification_were_flat(c) for m, c in trees.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
