@@ -187,7 +187,7 @@ def tree_picture(target, head, path: Path) -> dict:
     drafter = RecordingDrafter(make_drafter(head))
     q = held_out(1)[0]
     prompt = torch.tensor(render_prompt(target.tokenizer, [{"role": "user", "content": q.turns[0]}]))
-    res = generate(target.model, drafter, prompt, 48, top_k=10, depth=6, total_tokens=60,
+    res = generate(target.model, drafter, prompt, 96, top_k=10, depth=6, total_tokens=60,
                    eos_token_ids=set(stop_token_ids(target.tokenizer, target.model)))
     paths = accepted_paths(drafter.trees, res.tokens, res.accept_lengths)
     step = max(range(len(paths)), key=lambda s: (len(paths[s]), -s))
@@ -226,7 +226,7 @@ def draw_tree(tree, accepted: list[int], tokenizer, path: Path, title: str) -> N
         ax.plot([tree.depths[p], tree.depths[node]], [y[p], y[node]], color="C3" if hot else "0.75",
                 lw=2.2 if hot else 0.8, zorder=1)
     for node in range(len(tree)):
-        text = tokenizer.decode([tree.token_list[node]]).replace("\n", "\\n")
+        text = tokenizer.decode([tree.token_list[node]])
         score = "" if node == 0 else f"  {float(tree.scores[node]):.2f}"
         ax.text(tree.depths[node], y[node], f"{text!r}{score}", fontsize=7.5, ha="center", va="center", zorder=2,
                 bbox={"boxstyle": "round,pad=0.2", "fc": "#ffd9d2" if node in on_path else "white",
