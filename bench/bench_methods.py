@@ -142,7 +142,10 @@ def aggregate(turns: list[dict], methods: list[str], trees: dict) -> dict:
         acc = [a for t in turns for a in t[name]["accept_lengths"]]
         forwards = sum(t[name]["forwards"] for t in turns)
         wall = sum(t[name]["wall_s"] for t in turns)
-        rows[name] = {"tau": sum(a + 1 for a in acc) / forwards, "alpha": acceptance_rates(acc, 3),
+        # alpha_d past the tree's deepest path (depth + 1 drafts) is undefined, not 0: None.
+        reach = trees[name]["depth"] + 1
+        alpha = [x if d < reach else None for d, x in enumerate(acceptance_rates(acc, 3))]
+        rows[name] = {"tau": sum(a + 1 for a in acc) / forwards, "alpha": alpha,
                       "tokens_per_s": rate(name), "speedup": rate(name) / vanillas[fastest],
                       "draft_share": sum(t[name]["draft_s"] for t in turns) / wall,
                       "identical_to_vanilla": f"{sum(t[name]['identical'] for t in turns)}/{len(turns)}",
@@ -168,7 +171,7 @@ def markdown(rows: dict, info: dict) -> str:
     for name, r in rows.items():
         if name == "vanilla":
             continue
-        a = " | ".join(f"{x:.2f}" for x in r["alpha"])
+        a = " | ".join("-" if x is None else f"{x:.2f}" for x in r["alpha"])
         t = r["tree"]
         lines.append(f"| {name} | **{r['tau']:.2f}** | {a} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r['identical_to_vanilla']} | {t['depth']}, {t['top_k']}, {t['total_tokens']} |")
