@@ -4,7 +4,7 @@
 #
 #   jobs/methods.sh data       # regen (llama.cpp, ~90k answer tokens, ~15 min) and the bf16 dump (~3 min)
 #   jobs/methods.sh heads      # EAGLE-3, EAGLE-3 + 3.1, EAGLE-1, Medusa-1: one budget (~25 min)
-#   jobs/methods.sh ablation   # the two 3.1 options alone (~12 min)
+#   jobs/methods.sh ablation   # EAGLE-3 against 3.1, decoded with the deep default tree (~8 min; CELLS=1: each option alone)
 #   jobs/methods.sh table      # bench/bench_methods.py: every method on 40 MT-bench questions (~70 min)
 #   jobs/methods.sh analyses   # bench/analyses.py: chain and tree sweeps, the template experiment, a tree picture
 # Extra Hydra overrides go to every stage: jobs/methods.sh data data.root=/data/eaglet
@@ -27,9 +27,18 @@ heads)
   run stage=train head=medusa "${EXP[@]}"
   ;;
 ablation)
-  # The 3.1 ablation's single-option cells (docs/results.md, "EAGLE-3.1 options"), beside eagle3 and eagle3-31.
-  run stage=train head=eagle3 head.name=eagle3-fcnorm head.fc_norm=true "${EXP[@]}"
-  run stage=train head=eagle3 head.name=eagle3-normout head.norm_output=true "${EXP[@]}"
+  # The 3.1 ablation (docs/results.md, "EAGLE-3.1 options"): decoded tau with the default deep tree, where the
+  # later draft rounds count (the table's CPU trees are one level deep). CELLS=1 adds each option alone.
+  heads=(eagle3 eagle3-31)
+  if [[ -n "${CELLS:-}" ]]; then
+    run stage=train head=eagle3 head.name=eagle3-fcnorm head.fc_norm=true "${EXP[@]}"
+    run stage=train head=eagle3 head.name=eagle3-normout head.norm_output=true "${EXP[@]}"
+    heads+=(eagle3-fcnorm eagle3-normout)
+  fi
+  for h in "${heads[@]}"; do
+    run stage=eval head=eagle3 head.name="$h" eval.limit=10 eval.baseline=false tree.top_k=10 tree.depth=6 \
+      tree.total_tokens=60 "${EXP[@]}"
+  done
   ;;
 table)
   python bench/bench_methods.py
