@@ -4,7 +4,7 @@
 #
 #   jobs/methods.sh data       # regen (llama.cpp, ~90k answer tokens, ~15 min) and the bf16 dump (~3 min)
 #   jobs/methods.sh heads      # EAGLE-3, EAGLE-3 + 3.1, EAGLE-1, Medusa-1: one budget (~25 min)
-#   jobs/methods.sh ablation   # EAGLE-3 against 3.1, decoded with the deep default tree (~8 min; CELLS=1: each option alone)
+#   jobs/methods.sh ablation   # EAGLE-3 against 3.1, decoded with the deep default tree (~5 min; CELLS=1: each option alone)
 #   jobs/methods.sh table      # bench/bench_methods.py: every method on 40 MT-bench questions (~70 min)
 #   jobs/methods.sh analyses   # bench/analyses.py: chain and tree sweeps, the template experiment, a tree picture
 # Extra Hydra overrides go to every stage: jobs/methods.sh data data.root=/data/eaglet
@@ -36,7 +36,7 @@ ablation)
     heads+=(eagle3-fcnorm eagle3-normout)
   fi
   for h in "${heads[@]}"; do
-    run stage=eval head=eagle3 head.name="$h" eval.limit=10 eval.baseline=false tree.top_k=10 tree.depth=6 \
+    run stage=eval head=eagle3 head.name="$h" eval.limit=6 eval.baseline=false tree.top_k=10 tree.depth=6 \
       tree.total_tokens=60 "${EXP[@]}"
   done
   ;;
