@@ -86,6 +86,8 @@ def draft_sweep(target, fp32_model, head, prompts: int, max_new_tokens: int, wor
         r["closed_form"] = (1 - alpha ** (k + 1)) / (1 - alpha)
         prod, tau = 1.0, 1.0
         for a in alpha_by_depth[:k]:
+            if prod == 0:  # no step got this deep: alpha_d is undefined (nan), and adds nothing
+                break
             prod *= a
             tau += prod
         r["product_form"] = tau
