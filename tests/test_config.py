@@ -149,3 +149,13 @@ def test_quality_experiment_holds_out_every_eval_set():
     assert len(paths) == 7 and not any("mt_bench" in p or "eagle_bench" in p for p in paths)
     assert cfg.eval.questions.endswith("mt_bench/question.jsonl") and cfg.eval.max_new_tokens == 256
     assert (cfg.tree.depth, cfg.tree.top_k, cfg.tree.total_tokens) == (6, 10, 60)
+
+
+def test_method_bench_trains_on_a_part_of_the_quality_data_and_chooses_its_trees():
+    """smollm2_methods (docs/results.md, "The evaluation bench"): the quality data's sources at smaller limits,
+    every evaluation set held out, and eval choosing the tree for the device."""
+    cfg = compose_cfg(["experiment=smollm2_methods"])
+    quality = {s.path: s.limit for s in compose_cfg(["experiment=smollm2_quality"]).data.sources}
+    assert all(s.path in quality and s.limit <= quality[s.path] for s in cfg.data.sources)
+    assert len(cfg.data.held_out) == 6 and cfg.data.dedupe_prompts
+    assert cfg.tree.is_auto and cfg.eval.limit == 40 and cfg.eval.max_new_tokens == 128
