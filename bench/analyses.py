@@ -157,7 +157,36 @@ def template_experiment(args) -> dict:
                      "alpha": summary["acceptance_by_depth"][:3], **answer_quality(answers, args.max_new_tokens),
                      "examples": [{"question_id": a["question_id"], "turn": a["turn"], "answer": a["answer"][:400]}
                                   for a in answers[:4]]}
+    plot_template(out, FIGURES / "chat_template.png")
     return out
+
+
+def plot_template(result: dict, path: Path) -> None:
+    """tau and acceptance by depth, and what the answers look like, for each template side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result)
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    left = ["tau - 1", "alpha_1", "alpha_2", "alpha_3"]
+    right = ["ended_by_eos", "repeated_4grams", "role_markers"]
+    for i, name in enumerate(names):
+        r = result[name]
+        ax[0].bar([x + 0.4 * i for x in range(4)], [r["tau"] - 1] + r["alpha"], 0.4, label=name)
+        ax[1].bar([x + 0.4 * i for x in range(3)], [r[k] for k in right], 0.4, label=name)
+    ax[0].set_xticks([x + 0.2 for x in range(4)], left)
+    ax[0].set(title="Acceptance: the same head, two chat templates", ylim=(0, 1))
+    ax[1].set_xticks([x + 0.2 for x in range(3)], ["answers ended\nby EOS", "repeated\nword 4-grams",
+                                                   "answers with\nrole markers"])
+    ax[1].set(title="The answers (share of turns / of 4-grams)", ylim=(0, 1))
+    for a in ax:
+        a.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 ROLE_MARKERS = re.compile(r"USER:|ASSISTANT:|<\|im_start\|>|\buser\n|\bassistant\n", re.I)
