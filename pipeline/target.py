@@ -248,17 +248,18 @@ def materialize(cfg: TargetConfig) -> tuple[str, str]:
 # fingerprint
 
 
-def tokenizer_digest(tokenizer, with_template: bool = True) -> str:
-    """Vocabulary, special tokens and (with_template) the chat template. Without the template it is the
-    fingerprint's `vocab_digest`: what must still match when a template change is allowed on purpose."""
-    h = hashlib.sha256()
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    h.update(json.dumps(vocab, ensure_ascii=False).encode())
-    if with_template:
-        h.update((tokenizer.chat_template or "").encode())
-    specials = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
-    h.update(json.dumps(specials, sort_keys=True).encode())
-    return h.hexdigest()[:16]
+def tokenizer_digests(tokenizer) -> tuple[str, str]:
+    """(tokenizer_digest: vocabulary, chat template and special tokens; vocab_digest: the same without the
+    template, what must still match when a template change is allowed on purpose). The vocabulary is
+    serialized once for both."""
+    h = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+                                  ensure_ascii=False).encode())
+    vocab_only = h.copy()
+    h.update((tokenizer.chat_template or "").encode())
+    specials = json.dumps({k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}, sort_keys=True)
+    for d in (h, vocab_only):
+        d.update(specials.encode())
+    return h.hexdigest()[:16], vocab_only.hexdigest()[:16]
 
 
 def weights_digest(model: torch.nn.Module, samples: int = 4096) -> str:
@@ -315,14 +316,15 @@ def compute_fingerprint(hf_config, tokenizer, cfg: TargetConfig, source: str, we
     (config summary), tokenizer and chat template, weights as stored (`weights`; None for a served target,
     whose weights are on the server), never the compute precision."""
     summary = config_summary(hf_config)
+    digests = tokenizer_digests(tokenizer)
     return {
         "name": cfg.name,
         "source": source,
         "hub_id": cfg.hub_id,
         "config": summary,
         "config_digest": hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16],
-        "tokenizer_digest": tokenizer_digest(tokenizer),
-        "vocab_digest": tokenizer_digest(tokenizer, with_template=False),
+        "tokenizer_digest": digests[0],
+        "vocab_digest": digests[1],
         "chat_template": cfg.chat_template,  # None: the tokenizer's own
         "weights_digest": weights,
     }
