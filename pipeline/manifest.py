@@ -209,6 +209,12 @@ def check_target(fingerprint: dict, manifest: dict, manifest_path: Path, what: s
         # Made through a server (regen's openai backend): its weights are unknown to eaglet, so only the
         # architecture and the tokenizer + chat template can be held to account.
         keys = tuple(k for k in FINGERPRINT_KEYS if k != "weights_digest")
+    elif fingerprint.get("weights_digest_names") == "stored" and "weights_digest_names" not in theirs:
+        # Made before the digest was read from the files, of a checkpoint that transformers renames at load
+        # (pipeline.target.stored_names): the two digests hash other names, so they cannot be compared.
+        log.warning("%s: %s was made before eaglet digested the weights from the stored files (this checkpoint's "
+                    "tensors are renamed at load); its weights digest is not compared", what, manifest_path)
+        keys = tuple(k for k in FINGERPRINT_KEYS if k != "weights_digest")
     if allow_template_mismatch and fingerprint.get("tokenizer_digest") != theirs.get("tokenizer_digest"):
         if "vocab_digest" not in theirs:
             raise ManifestError(f"{manifest_path}: made before eaglet recorded the vocabulary apart from the chat "

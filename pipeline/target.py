@@ -19,6 +19,7 @@ import torch
 from pipeline import precision
 from pipeline.manifest import atomic_write_text, default_cache_root
 from pipeline.precision import dtype_name, parse_dtype
+from pipeline.target_files import StoredCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -222,12 +223,33 @@ def dequantize_gguf_to_cache(gguf: Path, out: Path) -> None:
         model.generation_config.to_json_file(str(tmp / "generation_config.json"))
     tokenizer.save_pretrained(str(tmp))
     (tmp / "eaglet_source.json").write_text(json.dumps({"gguf": str(gguf), "cache_format": CACHE_FORMAT}))
-    if out.exists():  # another process won the race; keep theirs
-        import shutil
+    try:
+        if out.exists():
+            raise FileExistsError(out)
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        import shutil  # another process (without a working lock: see `first_load_lock`) won the race; keep theirs
         shutil.rmtree(tmp)
         return
-    os.replace(tmp, out)
     log.info("cached dequantized target at %s (%.1f s)", out, time.time() - t0)
+
+
+@contextlib.contextmanager
+def first_load_lock(out: Path):
+    """Held while one process dequantizes a GGUF into the cache: the ranks of a job that all start on a fresh
+    cache wait for the first instead of racing it (an exclusive flock on a file beside the cache entry). Where
+    the file system has no flock, each dequantizes alone and the last rename keeps the first one's result."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f".{out.name}.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("%s: no file lock on this file system (%s); dequantizing without one", out.parent, e)
+        yield
 
 
 def materialize(cfg: TargetConfig) -> tuple[str, str]:
@@ -236,8 +258,9 @@ def materialize(cfg: TargetConfig) -> tuple[str, str]:
     if kind == "gguf":
         out = gguf_cache_dir(cfg, location)
         if not (out / "config.json").exists():
-            with loading(str(location)):
-                dequantize_gguf_to_cache(location, out)
+            with first_load_lock(out), loading(str(location)):
+                if not (out / "config.json").exists():  # another rank dequantized it while this one waited
+                    dequantize_gguf_to_cache(location, out)
         return str(out), str(location)
     if kind == "dir":
         return str(location), str(location)
@@ -281,24 +304,87 @@ def stored_dtype(location: str, revision: Optional[str] = None) -> Optional[torc
     from transformers import AutoConfig
 
     with loading(location):
-        declared = getattr(AutoConfig.from_pretrained(location, revision=revision), "dtype", None)
+        return declared_dtype(AutoConfig.from_pretrained(location, revision=revision))
+
+
+def declared_dtype(hf_config) -> Optional[torch.dtype]:
+    declared = getattr(hf_config, "dtype", None)
     if isinstance(declared, str):
         declared = precision.DTYPES.get(declared)
     return declared if isinstance(declared, torch.dtype) else None
 
 
-def stored_weights_digest(model: torch.nn.Module, location: str, cfg: "TargetConfig") -> str:
-    """`weights_digest` of the weights as stored, whatever dtype `model` computes in: the target's identity
-    must not change with the precision (a bf16 eval must accept a head trained on an fp32 dump). When the
-    model was cast at load, a second load in the stored dtype (on CPU, then freed) gives the stored values."""
+def skeleton(hf_config) -> torch.nn.Module:
+    """The target's module tree on the meta device: names, shapes and tying, no weights (instant at 70B)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def stored_names(model: torch.nn.Module, files: StoredCheckpoint) -> tuple[dict[str, str], bool]:
+    """(state-dict name -> stored tensor name, renamed). A tied lm_head maps to the stored embedding. `renamed`:
+    transformers renames or fuses this checkpoint's tensors at load (Qwen3-MoE's experts): the digest then runs
+    over the stored names, which is what the files hold."""
+    embedding = model.get_input_embeddings().weight
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is embedding]  # embedding first
+    stored_embedding = next((n for n in tied if n in files), None)
+    names, missing = {}, []
+    for n in model.state_dict():
+        if n in files:
+            names[n] = n
+        elif n in tied and stored_embedding is not None:
+            names[n] = stored_embedding  # the tied lm_head, not stored
+        else:
+            missing.append(n)
+    if not missing:
+        return names, False
+    return {**{n: n for n in files.tensors}, **{n: t for n, t in names.items() if n != t}}, True
+
+
+def files_weights_digest(location: str, hf_config) -> Optional[tuple[str, bool]]:
+    """(weights digest, renamed) computed from the stored safetensors files, without loading the model; None
+    for a checkpoint without safetensors (its digest then needs the loaded weights). The value equals
+    `weights_digest` of the model loaded as stored, for every checkpoint whose tensors load under their
+    stored names (tests/test_target_parts.py checks it on every family and on SmolLM2)."""
+    files = StoredCheckpoint.find(location)
+    if files is None:
+        return None
+    names, renamed = stored_names(skeleton(hf_config), files)
+    return files.weights_digest(names, declared_dtype(hf_config)), renamed
+
+
+def stored_weights_digest(model: torch.nn.Module, location: str, cfg: "TargetConfig") -> tuple[str, bool]:
+    """(`weights_digest` of the weights as stored, renamed), whatever dtype `model` computes in: the target's
+    identity must not change with the precision (a bf16 eval must accept a head trained on an fp32 dump). Read
+    from the safetensors files; only a checkpoint without them is digested from a load in its stored dtype."""
+    from transformers import AutoConfig
+
+    with loading(location):
+        directory = checkpoint_dir(location, cfg)
+        # The config as stored: the loaded model's says the compute dtype, not the stored one.
+        from_files = files_weights_digest(directory, AutoConfig.from_pretrained(directory, revision=cfg.revision))
+    if from_files is not None:
+        return from_files
     compute = next(model.parameters()).dtype
     if stored_dtype(location, cfg.revision) == compute:
-        return weights_digest(model)
+        return weights_digest(model), False
     stored = _from_pretrained(location, cfg, "auto")
     try:
-        return weights_digest(stored)
+        return weights_digest(stored), False
     finally:
         del stored
+
+
+def checkpoint_dir(location: str, cfg: "TargetConfig") -> str:
+    """The local directory of the checkpoint's files: the directory itself, or a hub id's snapshot (weights,
+    config and tokenizer files only)."""
+    if Path(location).is_dir():
+        return location
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(location, revision=cfg.revision,
+                             allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
 
 
 ARCH_KEYS = ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -311,12 +397,16 @@ def config_summary(hf_config) -> dict:
     return {k: d[k] for k in ARCH_KEYS if k in d}
 
 
-def compute_fingerprint(hf_config, tokenizer, cfg: TargetConfig, source: str, weights: Optional[str]) -> dict:
+def compute_fingerprint(hf_config, tokenizer, cfg: TargetConfig, source: str, weights: Optional[str],
+                        renamed: bool = False) -> dict:
     """The target's identity, which every stage's manifest records and the next stage checks: architecture
     (config summary), tokenizer and chat template, weights as stored (`weights`; None for a served target,
-    whose weights are on the server), never the compute precision."""
+    whose weights are on the server), never the compute precision. `renamed`: the digest runs over the stored
+    tensor names of a checkpoint that transformers renames at load (`stored_names`), recorded as
+    `weights_digest_names: stored` (outputs made before it compare their digest with a warning only)."""
     summary = config_summary(hf_config)
     digests = tokenizer_digests(tokenizer)
+    extra = {"weights_digest_names": "stored"} if renamed else {}
     return {
         "name": cfg.name,
         "source": source,
@@ -327,6 +417,7 @@ def compute_fingerprint(hf_config, tokenizer, cfg: TargetConfig, source: str, we
         "vocab_digest": digests[1],
         "chat_template": cfg.chat_template,  # None: the tokenizer's own
         "weights_digest": weights,
+        **extra,
     }
 
 
@@ -369,7 +460,99 @@ def load_target(cfg: TargetConfig) -> Target:
     tokenizer = _tokenizer(location, cfg)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    fingerprint = compute_fingerprint(model.config, tokenizer, cfg, source, stored_weights_digest(model, location, cfg))
+    digest, renamed = stored_weights_digest(model, location, cfg)
+    fingerprint = compute_fingerprint(model.config, tokenizer, cfg, source, digest, renamed)
     log.info("loaded target %s from %s in %.1f s (%s, %s)", cfg.name, location, time.time() - t0, device, dtype)
     return Target(model=model, tokenizer=tokenizer, device=device, dtype=dtype,
                   fingerprint=fingerprint, source=location)
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts a head needs, without the target
+
+
+class TargetParts(torch.nn.Module):
+    """What a draft head reads of its target where the target is not run (offline training, export, loading a
+    head): the config, the input embedding, the lm_head and the final norm, read tensor by tensor from the
+    stored files. It answers the HF accessors the heads use (`get_input_embeddings`, `get_output_embeddings`,
+    `base_model.norm`, `config`), so a head cannot tell it from the loaded model."""
+
+    def __init__(self, config, class_name: str, embed: torch.Tensor, lm_head: Optional[torch.Tensor],
+                 norm: Optional[torch.nn.Module]):
+        super().__init__()
+        self.config = config
+        self.hf_class_name = class_name  # the class transformers would load (the verifier's architecture)
+        self.embed_tokens = torch.nn.Embedding.from_pretrained(embed, freeze=True)  # [V, H]
+        self.lm_head = torch.nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
+        # Tied: one tensor for both, as the loaded model has it.
+        self.lm_head.weight = self.embed_tokens.weight if lm_head is None else \
+            torch.nn.Parameter(lm_head, requires_grad=False)
+        self.norm = norm
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    @property
+    def base_model(self) -> "TargetParts":
+        return self
+
+
+def load_parts(location: str, cfg: TargetConfig, dtype: torch.dtype, device: torch.device
+               ) -> tuple[TargetParts, tuple[str, bool]]:
+    """(the parts in `dtype` on `device`, (weights digest, renamed)) from the stored safetensors files."""
+    from transformers import AutoConfig
+
+    with loading(location):
+        directory = checkpoint_dir(location, cfg)
+        hf_config = AutoConfig.from_pretrained(directory, revision=cfg.revision)
+        files = StoredCheckpoint.find(directory)
+        if files is None:
+            raise TargetError(f"{location}: no safetensors weights (model.safetensors or its index): eaglet reads a "
+                              f"target's embedding and lm_head from them without loading the model")
+        model = skeleton(hf_config)
+        names, renamed = stored_names(model, files)
+        prefix = model.base_model_prefix
+
+        def read(param: torch.nn.Parameter, what: str) -> torch.Tensor:
+            name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)
+            stored = names.get(name) or files.resolve(name, prefix)
+            if stored is None:
+                raise TargetError(f"{directory}: no stored tensor for the target's {what} ({name})")
+            return files.tensor(stored).to(device=device, dtype=dtype)
+
+        emb = model.get_input_embeddings()
+        out = model.get_output_embeddings()
+        embed = read(emb.weight, "input embedding")
+        lm_head = None if out.weight is emb.weight else read(out.weight, "lm_head")
+        norm = getattr(model.base_model, "norm", None)
+        if norm is not None:
+            norm = copy.deepcopy(norm).to_empty(device=device)
+            for pname, p in norm.named_parameters():
+                p.data.copy_(read(getattr(model.base_model.norm, pname), "final norm"))
+            norm.requires_grad_(False)
+        digest = files.weights_digest(names, declared_dtype(hf_config)), renamed
+    config = copy.deepcopy(hf_config)
+    config.dtype = dtype  # as a model loaded in `dtype` says
+    return TargetParts(config, type(model).__name__, embed, lm_head, norm), digest
+
+
+def load_target_parts(cfg: TargetConfig) -> Target:
+    """The target as a head needs it where the target is not run: `TargetParts` (embedding, lm_head, final
+    norm) plus the tokenizer and the same fingerprint `load_target` gives. Memory: those tensors, not the
+    model (a 70B target's parts are about 4 GB in bf16, against 140 GB)."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    location, source = materialize(cfg)
+    t0 = time.time()
+    parts, (digest, renamed) = load_parts(location, cfg, dtype, device)
+    tokenizer = _tokenizer(location, cfg)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    fingerprint = compute_fingerprint(parts.config, tokenizer, cfg, source, digest, renamed)
+    log.info("loaded target parts of %s (embedding, lm_head, final norm) from %s in %.1f s (%s, %s)", cfg.name,
+             location, time.time() - t0, device, dtype)
+    return Target(model=parts, tokenizer=tokenizer, device=device, dtype=dtype, fingerprint=fingerprint,
+                  source=location)

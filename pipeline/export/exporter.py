@@ -76,9 +76,9 @@ def export_head(
 
 
 def model_architectures(model: nn.Module) -> list[str]:
-    """The verifier's architectures for the vllm config; GGUF-converted configs carry none, so the loaded
-    class names itself."""
-    return list(getattr(model.config, "architectures", None) or [type(model).__name__])
+    """The verifier's architectures for the vllm config; GGUF-converted configs carry none, so the class that
+    loads it names itself (`TargetParts.hf_class_name` where only the target's parts were read)."""
+    return list(getattr(model.config, "architectures", None) or [getattr(model, "hf_class_name", type(model).__name__)])
 
 
 def export_state(head: nn.Module, form: ExportFormat, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 
 from pipeline.heads.io import load_head
 from pipeline.manifest import file_digests, load_manifest, write_manifest
-from pipeline.target import load_target
+from pipeline.target import load_target_parts
 
 from .exporter import (
     CONFIG,
@@ -37,7 +37,7 @@ def main(cfg) -> Path:
     train_dir, export_root = cfg.stage_dir("train"), cfg.stage_dir("export")
     dtype = resolve_dtype(ecfg.dtype)  # settings first: fail before loading anything
     load_manifest(train_dir, expect_stage="train")
-    target = load_target(cfg.target)
+    target = load_target_parts(cfg.target)  # the embedding and lm_head a head copies, not the model
     # fp32 whatever the target's dtype: the export casts once, from the trained weights.
     head = load_head(train_dir, target, device=torch.device("cpu"), dtype=torch.float32)
     form = format_for_head(ecfg.format, head.config.kind)

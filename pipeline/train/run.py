@@ -34,7 +34,8 @@ from pipeline.manifest import (
     to_plain,
     write_manifest,
 )
-from pipeline.target import load_target
+from pipeline.precision import dtype_name
+from pipeline.target import load_target, load_target_parts
 
 from . import checkpoint as ckpt
 from .config import TrainSource
@@ -84,9 +85,9 @@ def train(cfg, par: Parallel) -> dict:
     tau_probe = None
     if par.is_main and tcfg.tau_prompts > 0:
         prompts = [p for p in (prompt_of(reader[i]) for i in val_idx) if p is not None][:tcfg.tau_prompts]
-        tau_probe = TauProbe(target.model, prompts, tcfg.tau_max_new_tokens, *cfg.tree.fixed("train's tau probe"))
-    if tau_probe is None and not online:
-        target.model = None  # nothing decodes on this rank: keep only the frozen weights copied out of it
+        # Offline the target is only its parts (load_rows); the probe decodes, so it loads the target here.
+        decoder_model = target.model if online else probe_target(cfg, par, target).model
+        tau_probe = TauProbe(decoder_model, prompts, tcfg.tau_max_new_tokens, *cfg.tree.fixed("train's tau probe"))
 
     identity = {**data_identity, "head": head.config.to_dict(), "train_rows": len(train_idx)}
     if par.precision != "float32":  # a resume never switches autocast (fp32 adds nothing: older runs resume)
@@ -112,11 +113,13 @@ def train(cfg, par: Parallel) -> dict:
 
 def load_rows(cfg, par: Parallel, online: bool):
     """(target, rows, input stage dirs, what a resumed checkpoint must have trained on). Offline the target only
-    provides frozen weights (embeddings, lm_head) plus the real-tau decodes on rank 0: loaded in fp32 unless a
-    dtype is forced (the head copies exact weights; autocast sets the compute precision), and the rows are the
-    dump's. Online the target also computes every batch's states, at the precision a dump stage would use."""
+    provides frozen weights (embedding, lm_head, final norm): its parts, read from the stored files without the
+    model (`load_target_parts`), in fp32 unless a dtype is forced (the head copies exact weights; autocast sets
+    the compute precision), and the rows are the dump's. Online the whole target also computes every batch's
+    states, at the precision a dump stage would use."""
     dtype = cfg.target.dtype if online or cfg.target.dtype != "auto" else "float32"
-    target = load_target(dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype))
+    target = (load_target if online else load_target_parts)(
+        dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype))
     if online:
         rows = OnlineRows.from_config(cfg, target, BadRecordReport())
         # The input's digest, not the source's name alone: resuming on other conversations is refused too.
@@ -137,6 +140,16 @@ def load_rows(cfg, par: Parallel, online: bool):
                         expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None, verify=False)
     # No "source" key offline: checkpoints written before train.source existed still resume.
     return target, reader, [dump_dir], {"dump_manifest_sha256": digest_file(dump_dir / MANIFEST)}
+
+
+def probe_target(cfg, par: Parallel, parts):
+    """The target the offline tau probe decodes with (main rank), at the precision the parts were read in; its
+    fingerprint must be the parts' (same files)."""
+    target = load_target(dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype_name(parts.dtype)))
+    if target.fingerprint != parts.fingerprint:
+        raise ManifestError(f"train's tau probe: the loaded target's fingerprint {target.fingerprint} differs from "
+                            f"its parts' {parts.fingerprint}")
+    return target
 
 
 def build_head(cfg, target, reader, train_idx, layer_ids):
