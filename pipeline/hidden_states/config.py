@@ -23,6 +23,10 @@ class DumpConfig:
     dtype: str = "auto"  # auto (= target dtype) | bfloat16 | float16 | float32
     limit: Optional[int] = None
     verify: bool = False
+    # Print the sizing (tokens, bytes on disk per precision, shards, estimated memory per rank for the
+    # target.tensor_parallel layout) and stop: no weights are loaded beyond the target's parts, nothing is written
+    # but <dump dir>/plan.json (pipeline/hidden_states/sizing.py).
+    plan_only: bool = False
 
     def __post_init__(self) -> None:
         from pipeline.precision import parse_dtype

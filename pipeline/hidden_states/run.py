@@ -9,6 +9,7 @@ from pipeline.dist import rank_info, rank_target_config
 from pipeline.hidden_states.dump import DumpSummary, dump_hidden_states
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
 from pipeline.hidden_states.reader import REPAIR, verify_dump
+from pipeline.manifest import MANIFEST, ManifestError
 from pipeline.target import load_target
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,8 @@ class DumpVerifyError(RuntimeError):
 
 
 def main(cfg) -> DumpSummary:
+    if cfg.dump.plan_only:
+        return plan_only(cfg)
     rank = rank_info()
     target = load_target(rank_target_config(cfg.target, rank))
 
@@ -44,3 +47,44 @@ def main(cfg) -> DumpSummary:
                                   + f"\n{REPAIR}")
         log.info("dump.verify: all %d shards match their sha256", summary.shards)
     return summary
+
+
+def plan_only(cfg) -> dict:
+    """`dump.plan_only=true`: the dump's size before anything runs, from the target's config, tokenizer and parts
+    (never the model) and the tokenized input; writes <dump dir>/plan.json and prints the table."""
+    import json
+
+    from pipeline.hidden_states.dump import plan_dump
+    from pipeline.hidden_states.sizing import format_plan, size_plan
+    from pipeline.target import load_target_parts
+
+    target = load_target_parts(cfg.target)
+    report = BadRecordReport()
+    source = "the regen output" if str(cfg.dump.input) == "regen" else "the data sources"
+    try:
+        conversations, _ = read_conversations(cfg, target.fingerprint, report)
+    except ManifestError:
+        if not (cfg.stage_dir("regen") / MANIFEST).exists():  # before regen: the sources' own answers stand in
+            from pipeline.data.readers import read_sources
+
+            conversations, source = read_sources(cfg.data, report), "the data sources' own answers (regen has not run)"
+        else:
+            raise
+    samples, counts = tokenize_all(conversations, target.tokenizer, cfg.data, cfg.dump.limit)
+    if not samples:
+        raise RuntimeError(f"dump.plan_only: nothing to size in {source}: no conversation with an assistant answer "
+                           f"({dict(counts)}); prompt-only data is sized after regen")
+    log.info("dump.plan_only: sized from %s", source)
+    layout, plan = plan_dump(target, samples, cfg.dump)
+    compute = "bfloat16" if target.precision == "float32" else target.precision  # a GPU cluster computes in bf16
+    sizing = size_plan(target.model.config, sum(plan.shard_tokens), len(samples), layout.layer_ids,
+                       cfg.dump.shard_bytes, cfg.dump.batch_tokens, getattr(cfg.target, "tensor_parallel", 1),
+                       rank_info().world_size, compute, head_kind=str(cfg.head.kind),
+                       draft_vocab_size=getattr(cfg.head, "draft_vocab_size", None),
+                       micro_batch_tokens=cfg.train.micro_batch_tokens, planned_shards=len(plan.shards))
+    sizing["counts"], sizing["sized_from"] = dict(counts), source
+    out = cfg.stage_dir("dump")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(sizing, indent=1))
+    print(format_plan(sizing))
+    return sizing
