@@ -11,8 +11,10 @@ start writing while its rank 0 is being refused. flock is local to a machine on 
 apart only where it is not."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
@@ -23,6 +25,7 @@ from typing import Optional
 from pipeline.dist import RankInfo, rank_info
 
 LOCK_PREFIX = ".eaglet-lock.rank"
+log = logging.getLogger(__name__)
 
 
 class OutputLocked(RuntimeError):
@@ -123,3 +126,19 @@ class OutputLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+@contextlib.contextmanager
+def first_writer_lock(out: Path):
+    """Held while one process makes `out` that every rank then reads (a GGUF's dequantization, the tokenized
+    input): ranks that arrive together wait for the first instead of racing it. An exclusive flock on a file
+    beside `out`; the caller checks again for `out` once it holds the lock. Where the file system has no flock,
+    each process makes `out` alone, and writing it under a temporary name then renaming keeps that safe."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f".{out.name}.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("%s: no file lock on this file system (%s); making it without one", out.parent, e)
+        yield

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from pipeline import precision
+from pipeline.lock import first_writer_lock
 from pipeline.manifest import atomic_write_text, default_cache_root
 from pipeline.precision import dtype_name, parse_dtype
 from pipeline.target_files import StoredCheckpoint
@@ -230,26 +231,10 @@ def dequantize_gguf_to_cache(gguf: Path, out: Path) -> None:
     except OSError:
         if not (out / "config.json").exists():
             raise
-        import shutil  # another process (without a working lock: see `first_load_lock`) won the race; keep theirs
+        import shutil  # another process (without a working lock: see `first_writer_lock`) won the race; keep theirs
         shutil.rmtree(tmp)
         return
     log.info("cached dequantized target at %s (%.1f s)", out, time.time() - t0)
-
-
-@contextlib.contextmanager
-def first_load_lock(out: Path):
-    """Held while one process dequantizes a GGUF into the cache: the ranks of a job that all start on a fresh
-    cache wait for the first instead of racing it (an exclusive flock on a file beside the cache entry). Where
-    the file system has no flock, each dequantizes alone and the last rename keeps the first one's result."""
-    import fcntl
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(f".{out.name}.lock"), "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as e:
-            log.warning("%s: no file lock on this file system (%s); dequantizing without one", out.parent, e)
-        yield
 
 
 def materialize(cfg: TargetConfig) -> tuple[str, str]:
@@ -258,7 +243,7 @@ def materialize(cfg: TargetConfig) -> tuple[str, str]:
     if kind == "gguf":
         out = gguf_cache_dir(cfg, location)
         if not (out / "config.json").exists():
-            with first_load_lock(out), loading(str(location)):
+            with first_writer_lock(out), loading(str(location)):
                 if not (out / "config.json").exists():  # another rank dequantized it while this one waited
                     dequantize_gguf_to_cache(location, out)
         return str(out), str(location)

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.data.bad_records import BadRecordReport
 from pipeline.hidden_states.reader import DumpReader
 from pipeline.target import load_target
 from pipeline.train import run as train_run
@@ -59,7 +58,7 @@ def online_cli(shared_data: Path) -> dict:
 def rows_and_reader(root: Path, model_dir: Path, shared_data: Path):
     cfg = online_config(root, model_dir, shared_data)
     target = load_target(cfg.target)
-    rows = OnlineRows.from_config(cfg, target, BadRecordReport())
+    rows = OnlineRows.from_config(cfg, target)
     return cfg, target, rows, DumpReader(cfg.stage_dir("dump"))
 
 

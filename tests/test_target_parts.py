@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from families import FAMILIES, build_family
+from pipeline.lock import first_writer_lock
 from pipeline.manifest import check_target
 from pipeline.target import (
     TargetConfig,
     files_weights_digest,
-    first_load_lock,
     load_target,
     load_target_parts,
     weights_digest,
@@ -107,9 +107,9 @@ def test_outputs_of_a_renamed_checkpoint_made_before_the_files_digest_still_load
 LOCK_CHILD = """
 import sys, time
 from pathlib import Path
-from pipeline.target import first_load_lock
+from pipeline.lock import first_writer_lock
 out, log = Path(sys.argv[1]), Path(sys.argv[2])
-with first_load_lock(out):
+with first_writer_lock(out):
     with open(log, "a") as f:
         f.write(f"start {sys.argv[3]}\\n"); f.flush(); time.sleep(0.5); f.write(f"end {sys.argv[3]}\\n")
 """
@@ -126,7 +126,7 @@ def test_ranks_wait_for_the_first_dequantization(tmp_path):
     assert len(events) == 8
     for k in range(0, 8, 2):  # start i is always followed by end i
         assert events[k][0] == "start" and events[k + 1] == ("end", events[k][1])
-    with first_load_lock(tmp_path / "targets" / "x"):  # released by the children: taken at once
+    with first_writer_lock(tmp_path / "targets" / "x"):  # released by the children: taken at once
         pass
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from pipeline.heads.config import default_aux_layer_ids
@@ -98,6 +99,6 @@ def pad_batch(rows: Sequence[Sequence[int]], device: torch.device, pad_id: int =
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        ids[b, : len(r)] = torch.from_numpy(np.array(r, dtype=np.int64))  # a list, or a read-only mapped view
         mask[b, : len(r)] = 1
     return ids.to(device), mask.to(device)

@@ -9,6 +9,7 @@ from pipeline.dist import rank_info, rank_target_config
 from pipeline.hidden_states.dump import DumpSummary, dump_hidden_states
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
 from pipeline.hidden_states.reader import REPAIR, verify_dump
+from pipeline.hidden_states.tokens import tokenized_input
 from pipeline.manifest import MANIFEST, ManifestError
 from pipeline.target import load_target
 
@@ -25,19 +26,17 @@ def main(cfg) -> DumpSummary:
     rank = rank_info()
     target = load_target(rank_target_config(cfg.target, rank))
 
-    report = BadRecordReport()
-    conversations, inputs = read_conversations(cfg, target.fingerprint, report)
-    samples, counts = tokenize_all(conversations, target.tokenizer, cfg.data, cfg.dump.limit)
-    if report.total or report.fixes:
-        log.warning("dump input: %s", report.summary())
-    if not samples:
-        raise RuntimeError(f"dump: no conversation with an assistant turn in the input ({dict(counts)})")
+    rows = tokenized_input(cfg, target)  # tokenized once, by the first rank; the others map its arrays
+    if rows.has_bad_records:
+        log.warning("dump input: %s", rows.summary)
+    if not rows.samples:
+        raise RuntimeError(f"dump: no conversation with an assistant turn in the input ({rows.counts})")
 
     out_dir = cfg.stage_dir("dump")
     summary = dump_hidden_states(
-        target, samples, cfg.dump, out_dir, rank=rank,
+        target, rows.samples, cfg.dump, out_dir, rank=rank,
         manifest_extra={"config": {"dump": cfg.dump, "data": cfg.data, "target": cfg.target},
-                        "counts": dict(counts), "inputs": inputs, "bad_records": report.to_dict()})
+                        "counts": dict(rows.counts), "inputs": rows.inputs, "bad_records": rows.bad_records})
     log.info("%s", summary)
 
     if cfg.dump.verify and summary.manifest is not None:

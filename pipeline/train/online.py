@@ -4,10 +4,10 @@ never touch the disk.
 A dump of a real target is large (Llama-3.1-8B's EAGLE-3 inputs are 32 KiB a token in bf16: 1B tokens is
 32 TB). Online, each micro-batch's states are computed when the trainer asks for it, by the dump stage's own
 code: the same conversations (`read_conversations`, i.e. `dump.input`), the same tokenization and loss mask
-(`tokenize_all`), the same layers and capture (`HiddenStateCapture`), the target at the dump's precision.
-So a row trains on exactly what a dump would have stored for it, and everything else in the trainer (data
-order, packing, resume, ranks) is the offline code path: each rank computes the states of its own
-micro-batches on its own target replica.
+(`tokenize_all`, made once and shared with the dump stage: hidden_states/tokens.py), the same layers and
+capture (`HiddenStateCapture`), the target at the dump's precision. So a row trains on exactly what a dump would
+have stored for it, and everything else in the trainer (data order, packing, resume, ranks) is the offline code
+path: each rank computes the states of its own micro-batches on its own target replica.
 
 Offline wins when the states are reused (several epochs, several heads, ablations); online when the data is
 large and seen once or twice. README "Online or offline?" has this machine's figures.
@@ -18,12 +18,12 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-from pipeline.data.bad_records import BadRecordReport
 from pipeline.hidden_states.capture import HiddenStateCapture, pad_batch, resolve_layer_ids
-from pipeline.hidden_states.inputs import read_conversations, tokenize_all
 from pipeline.hidden_states.plan import TokenizedSample, row_order
+from pipeline.hidden_states.tokens import tokenized_input
 
 from .data import Batch
 
@@ -53,24 +53,24 @@ class OnlineRows:
         self.inputs = list(inputs)  # stage dirs read (the regen output), for the train manifest
 
     @classmethod
-    def from_config(cls, cfg, target, report: BadRecordReport) -> "OnlineRows":
+    def from_config(cls, cfg, target) -> "OnlineRows":
         """What the dump stage would read for this experiment, tokenized by the target's template."""
-        conversations, inputs = read_conversations(cfg, target.fingerprint, report)
-        samples, counts = tokenize_all(conversations, target.tokenizer, cfg.data, cfg.dump.limit)
-        if report.total or report.fixes:
-            log.warning("online training input: %s", report.summary())
-        if not samples:
+        rows = tokenized_input(cfg, target)  # the dump stage's arrays when it ran, else made once here
+        if rows.has_bad_records:
+            log.warning("online training input: %s", rows.summary)
+        if not rows.samples:
             raise RuntimeError(f"train.source=online: no conversation with an assistant turn in the input "
-                               f"({dict(counts)})")
-        return cls(target, samples, cfg.dump.layer_ids, inputs)
+                               f"({rows.counts})")
+        return cls(target, rows.samples, cfg.dump.layer_ids, rows.inputs)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> OnlineRow:
         s = self.samples[i]
-        return OnlineRow(s.id, torch.as_tensor(s.input_ids, dtype=torch.long),
-                         torch.as_tensor(s.loss_mask, dtype=torch.long))
+        # Copies: the tokens are read-only views of the shared arrays (hidden_states/tokens.py).
+        return OnlineRow(s.id, torch.from_numpy(np.array(s.input_ids, dtype=np.int64)),
+                         torch.from_numpy(np.array(s.loss_mask, dtype=np.int64)))
 
     def collate(self, indices: Sequence[int], max_length: int, with_aux: bool,
                 dtype: torch.dtype = torch.float32) -> Batch:

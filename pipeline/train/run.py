@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.data.bad_records import BadRecordReport
 from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, save_head
@@ -121,7 +120,7 @@ def load_rows(cfg, par: Parallel, online: bool):
     target = (load_target if online else load_target_parts)(
         dataclasses.replace(cfg.target, device=str(par.device), dtype=dtype))
     if online:
-        rows = OnlineRows.from_config(cfg, target, BadRecordReport())
+        rows = OnlineRows.from_config(cfg, target)
         # The input's digest, not the source's name alone: resuming on other conversations is refused too.
         digests = [digest_file(Path(d) / MANIFEST) for d in rows.inputs] or [to_plain(cfg.data)]
         identity = {"source": "online", "inputs": digests, "layer_ids": rows.layer_ids,
