@@ -139,6 +139,17 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def peak_rss_mb() -> Optional[float]:
+    """This process's peak resident memory so far in MiB (Linux's VmHWM: since the program's exec, so a fork's
+    inherited peak does not count), recorded in every manifest's timings; None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kib / 1024, 1)
+
+
 def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings: dict,
                    inputs: Iterable[Path] = (), **extra: Any) -> Path:
     """Atomically writes out_dir/manifest.json. `inputs` are the input stage directories whose manifests
@@ -153,7 +164,7 @@ def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings
         "config": to_plain(config),
         "inputs": [{"path": str(p), "manifest_sha256": digest_file(Path(p) / MANIFEST)} for p in inputs],
         "counts": to_plain(counts),
-        "timings": to_plain(timings),
+        "timings": to_plain({**timings, "peak_rss_mb": peak_rss_mb()}),
         **to_plain(extra),
     }
     path = out_dir / MANIFEST

@@ -143,3 +143,22 @@ def build_family(family: Family, path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def build_padded_moe(path: Path, experts: int = 256, moe_intermediate: int = 1536, seed: int = 0) -> tuple[Path, int]:
+    """(a tiny Qwen3-MoE padded where large targets keep their weights, its weights' bytes in fp32): 256 experts in
+    each of 7 layers, stored in bf16 (1 GB on disk, 2 GB in fp32). A head copies the target's hidden and dense MLP
+    sizes, which stay tiny: what a stage holds beyond the head is the target's."""
+    from transformers import AutoModelForCausalLM
+
+    family = FAMILIES["qwen3_moe"]
+    tok = build_tiny_tokenizer(specials=family.specials, bos=family.bos, eos=family.eos, template=family.template)
+    cfg = family.make_config()
+    cfg.num_experts, cfg.moe_intermediate_size = experts, moe_intermediate
+    cfg.vocab_size, cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = (
+        len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, sum(p.numel() for p in model.parameters()) * 4
