@@ -58,10 +58,18 @@ class TargetConfig:
     # It is part of the target's identity: stages refuse inputs made with another template, and eval refuses a
     # head trained with another one unless eval.allow_template_mismatch=true (the template experiment).
     chat_template: Optional[str] = None
+    # Tensor parallelism for the stages that run the target (dump, online training, eval, train's tau probe):
+    # each group of N consecutive ranks holds ONE target sharded N ways by transformers' own tensor parallelism
+    # (its "auto" plan), the groups being the data-parallel replicas (pipeline/dist.py TargetLayout). N must
+    # divide the world size and the target's attention and key/value heads. 1: a whole replica per rank. Not
+    # part of the target's identity: a dump made at any N serves a trainer at any other.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             parse_dtype(self.dtype, "target.dtype")  # a bad name fails when the config is built
+        if int(self.tensor_parallel) < 1:
+            raise ValueError(f"target.tensor_parallel={self.tensor_parallel}: must be >= 1")
 
 
 @dataclass
@@ -426,12 +434,46 @@ def _tokenizer(location: str, cfg: TargetConfig):
     return tokenizer
 
 
-def _from_pretrained(location: str, cfg: TargetConfig, dtype):
+def _from_pretrained(location: str, cfg: TargetConfig, dtype, sharded: bool = False):
     from transformers import AutoModelForCausalLM
 
     with loading(location):
         return AutoModelForCausalLM.from_pretrained(
-            location, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation)
+            location, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation,
+            **(tensor_parallel_kwargs(location, cfg) if sharded else {}))
+
+
+def tensor_parallel_kwargs(location: str, cfg: TargetConfig) -> dict:
+    """from_pretrained's arguments for `target.tensor_parallel` (none at 1): transformers' own tensor parallelism
+    with the model's "auto" plan. transformers 5.24 builds its TP mesh over the whole world (a `device_mesh`
+    argument is not used), so with several groups the groups are its `dp_replicate` dimension: the (dp, tp)
+    layout of `pipeline.dist.tp_mesh`, groups of N consecutive ranks."""
+    from pipeline.dist import target_layout, tp_mesh
+
+    layout = target_layout(cfg.tensor_parallel)
+    if not layout.sharded:
+        return {}
+    from transformers import AutoConfig
+    from transformers.distributed import DistributedConfig
+
+    check_tensor_parallel(AutoConfig.from_pretrained(location, revision=cfg.revision), layout.tp, location)
+    tp_mesh(layout)  # the process group (and our mesh) before transformers looks for one
+    extra = {"dp_replicate_size": layout.data_world} if layout.data_world > 1 else {}
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=layout.tp, **extra)}
+
+
+def check_tensor_parallel(hf_config, tp: int, location: str) -> None:
+    """Refuses N that does not divide the target's attention and key/value heads (each rank holds whole heads)."""
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads is None or heads % tp or kv % tp:
+        import math
+
+        g = math.gcd(heads or 1, kv or 1)
+        fits = [n for n in range(1, g + 1) if g % n == 0]
+        raise TargetError(f"target.tensor_parallel={tp}: {location} has {heads} attention heads and {kv} key/value "
+                          f"heads; N must divide both (possible: {fits})")
 
 
 def load_target(cfg: TargetConfig) -> Target:
@@ -439,8 +481,10 @@ def load_target(cfg: TargetConfig) -> Target:
     dtype = resolve_dtype(cfg.dtype, device)
     location, source = materialize(cfg)
     t0 = time.time()
-    model = _from_pretrained(location, cfg, dtype)
-    model.to(device).eval()
+    model = _from_pretrained(location, cfg, dtype, sharded=True)
+    if cfg.tensor_parallel == 1:
+        model.to(device)  # a sharded target is placed by transformers (this rank's device of the mesh)
+    model.eval()
     model.requires_grad_(False)
     tokenizer = _tokenizer(location, cfg)
     if tokenizer.pad_token_id is None:

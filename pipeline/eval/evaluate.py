@@ -51,11 +51,12 @@ class TurnRecord:
 
 def answer_questions(target, drafter: Drafter, questions: Iterable[Question], cfg: EvalConfig, tree: TreeConfig,
                      system_prompt: Optional[str] = None, progress=None,
-                     deadline: Optional[float] = None, fp32_model=None) -> list[TurnRecord]:
+                     deadline: Optional[float] = None, fp32_model=None, agree=None) -> list[TurnRecord]:
     """Answer every question (all its turns) with the tree decoder and `drafter`, plus the vanilla baseline on the first
     `cfg.baseline_limit` questions (also with `fp32_model`, an fp32 copy of the target, when given).
     `progress` (EvalProgress) supplies finished questions and records new
-    ones; once a question ends past `deadline` (time.monotonic()) no new one starts: the result may be partial."""
+    ones; once a question ends past `deadline` (time.monotonic()) no new one starts: the result may be partial.
+    `agree` (a tensor-parallel target's ranks, TargetLayout.agree) makes that call the first rank's on all."""
     model, tokenizer = target.model, target.tokenizer
     eos = set(stop_token_ids(tokenizer, model))
     done = progress.done if progress is not None else {}
@@ -73,7 +74,7 @@ def answer_questions(target, drafter: Drafter, questions: Iterable[Question], cf
         records.extend(q_records)
         if progress is not None:
             progress.append(q.id, q_records)
-        if deadline is not None and time.monotonic() > deadline and qi + 1 < len(questions):
+        if deadline is not None and (agree or bool)(time.monotonic() > deadline) and qi + 1 < len(questions):
             log.info("eval time budget spent after question %d of %d", qi + 1, len(questions))
             break
     bar.close()

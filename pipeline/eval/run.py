@@ -11,6 +11,7 @@ import torch
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.dist import TargetLayout, head_target, rank_info, rank_target_config, target_layout
 from pipeline.eval.autotree import choose_tree
 from pipeline.eval.drafter import make_drafter
 from pipeline.eval.evaluate import answer_questions, record_dict, system_messages
@@ -45,18 +46,22 @@ def build_drafter(cfg, target):
     train_dir = cfg.stage_dir("train")
     train_manifest = load_manifest(train_dir, expect_stage="train")
     # Refuses a head trained on another target (or chat template, unless allowed on purpose).
-    head = load_head(train_dir, target, allow_template_mismatch=cfg.eval.allow_template_mismatch)
+    head = load_head(train_dir, head_target(target, cfg.target),
+                     allow_template_mismatch=cfg.eval.allow_template_mismatch)
     info = {"name": cfg.head.name, "kind": head.config.kind,
             "train_manifest_code_version": train_manifest.get("code_version"), "config": head.config.to_dict()}
     return make_drafter(head), info, [train_dir]
 
 
-def tree_choice(cfg, target, drafter, questions, out_dir, resumed: bool) -> dict:
+def tree_choice(cfg, target, drafter, questions, out_dir, resumed: bool, layout: TargetLayout = None) -> dict:
     """The tree of tree.depth/total_tokens=-1 (autotree.py), measured once per run: kept beside the partial
-    answers, so a resumed eval answers its remaining questions with the tree its first ones had."""
+    answers, so a resumed eval answers its remaining questions with the tree its first ones had. A tensor-parallel
+    target's ranks all measure (their forwards are collective) and take the first rank's choice."""
     path = out_dir / TREE_CHOICE
-    if resumed and path.is_file():
-        return json.loads(path.read_text())
+    layout = layout or TargetLayout(0, 1, 0)
+    kept = layout.agree(json.loads(path.read_text()) if layout.is_writer and resumed and path.is_file() else None)
+    if kept is not None:
+        return kept
     t = cfg.tree
     first_turns = [system_messages(q) + [{"role": "user", "content": q.turns[0]}] for q in questions[:t.auto_prompts]]
     prompts = [torch.tensor(render_prompt(target.tokenizer, m, system_prompt=cfg.data.system_prompt))
@@ -64,14 +69,30 @@ def tree_choice(cfg, target, drafter, questions, out_dir, resumed: bool) -> dict
     choice = choose_tree(target.model, drafter, prompts, t.top_k, t.depth, t.total_tokens, t.max_depth,
                          t.max_total_tokens, t.auto_max_new_tokens,
                          set(stop_token_ids(target.tokenizer, target.model))).as_dict()
-    atomic_write_text(path, json.dumps(choice, indent=1) + "\n")
+    choice = layout.agree(choice)
+    if layout.is_writer:
+        atomic_write_text(path, json.dumps(choice, indent=1) + "\n")
     return choice
+
+
+class _FollowerProgress:
+    """A tensor-parallel rank other than the first: the first rank's finished questions, nothing recorded."""
+
+    def __init__(self, done: dict):
+        self.done = done
+
+    def append(self, question_id: str, records: list) -> None:
+        pass
 
 
 def main(cfg) -> dict:
     t0 = time.perf_counter()
     out_dir = cfg.stage_dir("eval")
-    target = load_target(cfg.target)
+    layout = target_layout(cfg.target.tensor_parallel)
+    if layout.sharded and layout.data_world != 1:
+        raise ValueError(f"eval decodes one request at a time on one target: run it on target.tensor_parallel="
+                         f"{layout.tp} ranks, not {layout.world_size}")
+    target = load_target(rank_target_config(cfg.target, rank_info()) if layout.sharded else cfg.target)
     drafter, drafter_info, inputs = build_drafter(cfg, target)
     report = BadRecordReport()
     questions = load_questions(cfg.eval.questions, cfg.eval.limit, report, cfg.data.on_bad_record,
@@ -87,15 +108,20 @@ def main(cfg) -> dict:
                    {"drafter": drafter_info}),
                 "questions_sha256": hashlib.sha256(json.dumps([[q.id, q.system, q.turns] for q in questions])
                                                    .encode()).hexdigest()}
-    progress = EvalProgress(out_dir, identity, cfg.eval.overwrite)
+    # Only the first rank of a tensor-parallel target reads and writes the partial answers; the others answer
+    # what it has not answered yet.
+    progress = EvalProgress(out_dir, identity, cfg.eval.overwrite) if layout.is_writer else None
+    if layout.sharded:
+        done = layout.agree(progress.done if progress is not None else None)
+        progress = progress or _FollowerProgress(done)
     tree, choice = cfg.tree, None
     if cfg.tree.is_auto:
-        choice = tree_choice(cfg, target, drafter, questions, out_dir, resumed=bool(progress.done))
+        choice = tree_choice(cfg, target, drafter, questions, out_dir, resumed=bool(progress.done), layout=layout)
         tree = dataclasses.replace(cfg.tree, depth=choice["depth"], total_tokens=choice["total_tokens"])
     deadline = None if cfg.eval.time_budget_s is None else time.monotonic() + cfg.eval.time_budget_s
     records = answer_questions(target, drafter, questions, cfg.eval, tree,
                                system_prompt=cfg.data.system_prompt, progress=progress, deadline=deadline,
-                               fp32_model=fp32_baseline_model(cfg, target))
+                               fp32_model=fp32_baseline_model(cfg, target), agree=layout.agree)
     # A draft path holds up to depth + 1 tokens (EAGLE's round 0 plus `depth` expansions): report every level.
     summary = summarize(records, settings, tree.depth + 1)
     if choice is not None:
@@ -104,6 +130,10 @@ def main(cfg) -> dict:
     summary.update(questions=len(questions), questions_done=n_done, complete=n_done == len(questions))
     summary["target"] = target.fingerprint
     summary["head"] = drafter_info
+    if not layout.is_writer:  # a tensor-parallel target's other ranks decoded in lockstep; the first writes
+        return summary
+    if layout.sharded:
+        summary["tensor_parallel"] = layout.tp
     subject = f"{cfg.name}/{cfg.eval_subject}/{cfg.eval_run_name}"
     if not summary["complete"]:  # no answers.jsonl or manifest: the next stage must not take a partial eval
         atomic_write_text(out_dir / "summary.partial.json", json.dumps(to_plain(summary), indent=2) + "\n")

@@ -35,6 +35,14 @@ def resolve_layer_ids(layer_ids: Optional[Sequence[int]], num_layers: int) -> li
     return ids
 
 
+def no_autograd(model: torch.nn.Module):
+    """The forward's no-autograd context: inference_mode, except on a target that transformers wrapped in FSDP2
+    (target.tensor_parallel with several groups: its `dp_replicate` dimension), whose hooks refuse inference
+    tensors; no_grad there (the same values)."""
+    dc = getattr(model.config, "distributed_config", None)
+    return torch.no_grad() if dc is not None and getattr(dc, "dp_size", 1) > 1 else torch.inference_mode()
+
+
 def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack (embeddings, layers, final norm) of a causal LM, without its lm_head."""
     body = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -74,10 +82,14 @@ class HiddenStateCapture:
             self._states[layer_id] = args[0] if args else kwargs["hidden_states"]
         return hook
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (aux [B, T, n_layers*H] in layer-id order, final [B, T, H]) in the target's dtype."""
+        with no_autograd(self.body):
+            return self._forward(input_ids, attention_mask)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._handles:
             raise RuntimeError("HiddenStateCapture.forward outside its `with` block")
         self._states.clear()

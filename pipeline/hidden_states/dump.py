@@ -6,6 +6,9 @@ temporary name then renamed. When a shard is complete its entry (rows, tokens, b
 `.progress/shard-k.json`. A rerun skips shards recorded with the same plan key, adopts complete shards that
 were renamed but not yet recorded (the plan key is in their schema metadata), and rewrites everything else.
 Whichever rank records the last shard writes `manifest.json` listing every shard.
+
+Tensor parallelism (`target.tensor_parallel=N`, pipeline.dist.TargetLayout): a group of N ranks is one dumper,
+rank `g` of `world // N` in the split above; all its ranks forward the same batches and its first rank writes.
 """
 from __future__ import annotations
 
@@ -19,8 +22,15 @@ from typing import Optional, Sequence
 import pyarrow as pa
 import torch
 
-from pipeline.dist import RankInfo, rank_info, shard_for_rank
-from pipeline.hidden_states.capture import CONVENTION, FINAL_FEATURE, HiddenStateCapture, pad_batch, resolve_layer_ids
+from pipeline.dist import RankInfo, TargetLayout, rank_info, shard_for_rank
+from pipeline.hidden_states.capture import (
+    CONVENTION,
+    FINAL_FEATURE,
+    HiddenStateCapture,
+    no_autograd,
+    pad_batch,
+    resolve_layer_ids,
+)
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.plan import DumpPlan, TokenizedSample, make_plan
 from pipeline.hidden_states.shards import (
@@ -102,16 +112,16 @@ def forward_batch(cap: HiddenStateCapture, rows: Sequence[TokenizedSample], devi
     return aux.to("cpu", dtype), final.to("cpu", dtype)
 
 
-@torch.inference_mode()
 def forward_only(target, samples: Sequence[TokenizedSample], batches: Sequence[Sequence[int]]) -> tuple[int, float]:
     """The same body forward over the same batches (`plan.batches`), writing nothing: the baseline of the
     dump benchmark. Returns (tokens, seconds)."""
     body = HiddenStateCapture(target.model, [0]).body
     tokens, t0 = 0, time.perf_counter()
-    for batch in batches:
-        input_ids, attention_mask = pad_batch([samples[i].input_ids for i in batch], target.device)
-        body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        tokens += sum(len(samples[i]) for i in batch)
+    with no_autograd(body):
+        for batch in batches:
+            input_ids, attention_mask = pad_batch([samples[i].input_ids for i in batch], target.device)
+            body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            tokens += sum(len(samples[i]) for i in batch)
     return tokens, time.perf_counter() - t0
 
 
@@ -179,17 +189,26 @@ def _remove_stale(out_dir: Path, n_shards: int) -> None:
 
 def dump_hidden_states(target, samples: Sequence[TokenizedSample], cfg: DumpConfig, out_dir: Path,
                        rank: Optional[RankInfo] = None, manifest_extra: Optional[dict] = None,
-                       progress: bool = True) -> DumpSummary:
+                       progress: bool = True, target_layout: Optional[TargetLayout] = None) -> DumpSummary:
     """Dump this rank's shards of the plan into `out_dir`; the rank that completes the set writes the
-    manifest. `manifest_extra` is merged into the manifest (config, counts, inputs of the stage)."""
-    rank = rank or rank_info()
+    manifest. `manifest_extra` is merged into the manifest (config, counts, inputs of the stage).
+    `target_layout` (tensor parallelism): this rank's TP group dumps as data rank `rank // N` of `world // N`;
+    every rank of the group forwards, the first writes."""
+    if target_layout is None:
+        rank = rank or rank_info()
+        target_layout = TargetLayout(rank.rank, rank.world_size, rank.local_rank)
+    rank, writes = target_layout.data, target_layout.is_writer
     out_dir = Path(out_dir)
-    (out_dir / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
     layout, plan = plan_dump(target, samples, cfg)
     schema = layout.schema(plan.key)
-    _invalidate_old_manifest(out_dir, plan.key)
-
-    mine = [k for k in shard_for_rank(len(plan.shards), rank) if _recorded(out_dir, k, plan) is None]
+    mine = None
+    if writes:
+        (out_dir / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
+        _invalidate_old_manifest(out_dir, plan.key)
+        mine = [k for k in shard_for_rank(len(plan.shards), rank) if _recorded(out_dir, k, plan) is None]
+    mine = target_layout.agree(mine)  # the writer's view of what is left: the group forwards the same batches
+    if not writes:
+        return _forward_shards(target, samples, plan, layout, mine)
     todo_tokens = sum(plan.shard_tokens[k] for k in mine)
     log.info("dump: %d samples, %d batches, %d shards; rank %d/%d writes %d shards (%d tokens)%s", len(samples),
              len(plan.batches), len(plan.shards), rank.rank, rank.world_size, len(mine), todo_tokens,
@@ -203,13 +222,26 @@ def dump_hidden_states(target, samples: Sequence[TokenizedSample], cfg: DumpConf
     seconds = time.perf_counter() - t0
     bar.close()
 
-    manifest = _finalize(out_dir, target, layout, plan, cfg, manifest_extra or {},
+    extra = {**(manifest_extra or {}), "tensor_parallel": target_layout.tp}
+    manifest = _finalize(out_dir, target, layout, plan, cfg, extra,
                          {"seconds": seconds, "tokens_written": todo_tokens, "rank": rank.rank,
                           "world_size": rank.world_size})
     return DumpSummary(rows=len(samples), tokens=sum(plan.shard_tokens),
                        bytes=_total_bytes(out_dir, len(plan.shards)), shards=len(plan.shards),
                        raw_bytes_per_token=layout.raw_bytes_per_token, tokens_written=todo_tokens,
                        seconds=seconds, manifest=manifest)
+
+
+def _forward_shards(target, samples, plan: DumpPlan, layout: StateLayout, shards: Sequence[int]) -> DumpSummary:
+    """A tensor-parallel rank other than its group's first: the group's forwards, in its order, nothing written."""
+    t0, tokens = time.perf_counter(), sum(plan.shard_tokens[k] for k in shards)
+    with HiddenStateCapture(target.model, layout.layer_ids) as cap:
+        for k in shards:
+            for b in plan.shards[k]:
+                forward_batch(cap, [samples[i] for i in plan.batches[b]], target.device, layout.dtype)
+    return DumpSummary(rows=len(samples), tokens=sum(plan.shard_tokens), bytes=0, shards=len(plan.shards),
+                       raw_bytes_per_token=layout.raw_bytes_per_token, tokens_written=tokens,
+                       seconds=time.perf_counter() - t0, manifest=None)
 
 
 def _write_shard(cap, target, samples, plan: DumpPlan, k: int, layout: StateLayout, schema, out_dir: Path, bar):

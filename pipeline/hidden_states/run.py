@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from pipeline.data.bad_records import BadRecordReport
-from pipeline.dist import rank_info, rank_target_config
+from pipeline.dist import rank_info, rank_target_config, target_layout
 from pipeline.hidden_states.dump import DumpSummary, dump_hidden_states
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
 from pipeline.hidden_states.reader import REPAIR, verify_dump
@@ -24,6 +24,7 @@ def main(cfg) -> DumpSummary:
     if cfg.dump.plan_only:
         return plan_only(cfg)
     rank = rank_info()
+    tp = target_layout(cfg.target.tensor_parallel, rank)  # refuses a world size N does not divide, before loading
     target = load_target(rank_target_config(cfg.target, rank))
 
     rows = tokenized_input(cfg, target)  # tokenized once, by the first rank; the others map its arrays
@@ -34,7 +35,7 @@ def main(cfg) -> DumpSummary:
 
     out_dir = cfg.stage_dir("dump")
     summary = dump_hidden_states(
-        target, rows.samples, cfg.dump, out_dir, rank=rank,
+        target, rows.samples, cfg.dump, out_dir, rank=rank, target_layout=tp,
         manifest_extra={"config": {"dump": cfg.dump, "data": cfg.data, "target": cfg.target},
                         "counts": dict(rows.counts), "inputs": rows.inputs, "bad_records": rows.bad_records})
     log.info("%s", summary)

@@ -181,7 +181,8 @@ class Trainer:
         self.cfg, self.par, self.reader, self.identity = cfg, par, reader, identity or {}
         self.train_idx, self.val_idx, self.lengths = list(train_idx), list(val_idx), lengths
         self.train_dir, self.metrics, self.tau_probe = Path(train_dir), metrics, tau_probe
-        self.schedule = StepSchedule(cfg.grad_accum, par.rank, par.world_size)
+        # Over the data split: a tensor-parallel group of ranks computes one rank's micro-batches (parallel.py).
+        self.schedule = StepSchedule(cfg.grad_accum, par.data_rank, par.data_world_size)
         self._epoch_cache: tuple[int, list] = (-1, [])
         # Packing differs a little between epochs (other buckets), so each epoch has its own step count;
         # only the epochs that max_steps reaches are planned.
@@ -299,12 +300,12 @@ class Trainer:
         self.step += 1
         skipped = {k: found.get(k, 0) for k in SKIP_COUNTS}
         if self.cfg.on_nonfinite == "skip":  # rows are found per rank; the step verdict is already global
-            skipped["nonfinite_rows"] = int(self.par.reduce_sum(torch.tensor(
+            skipped["nonfinite_rows"] = int(self.par.reduce_data_sum(torch.tensor(
                 [float(skipped["nonfinite_rows"])], device=self.par.device)).item())
         skipped = {k: n for k, n in skipped.items() if n}  # logged only when something was left out
         for key, n in skipped.items():
             self.skipped[key] += n
-        sums = reduce_stats(sums, self.par.reduce_sum)
+        sums = reduce_stats(sums, self.par.reduce_data_sum)
         metrics = derive(sums, "train")
         metrics.update({f"train/skipped_{k}": n for k, n in skipped.items()})
         metrics.update({"lr": lr, "grad_norm": grad_norm,
@@ -319,7 +320,7 @@ class Trainer:
         objective.eval()
         sums, found = zero_stats(objective), {}
         with self.par.autocast():
-            for pos in range(self.par.rank, len(self.val_batches), self.par.world_size):
+            for pos in range(self.par.data_rank, len(self.val_batches), self.par.data_world_size):
                 batch = self._collate(self.val_batches[pos], found)
                 add_stats(sums, micro_stats(objective, objective(**self._inputs(batch)), batch))
         objective.train()
@@ -327,7 +328,7 @@ class Trainer:
             raise NonFiniteError(f"validation at step {self.step}: "
                                  f"{'; '.join(found.get('problems', [])) or 'non-finite states on another rank'}. "
                                  f"Repair or re-dump those rows, or set train.on_nonfinite=skip to leave them out")
-        sums = reduce_stats(sums, self.par.reduce_sum)
+        sums = reduce_stats(sums, self.par.reduce_data_sum)
         if float(sums["micro"][0]) == 0:
             return {}
         metrics = derive(sums, "val")
@@ -359,9 +360,10 @@ class Trainer:
             self.log_real_tau()
 
     def real_tau(self) -> dict[str, float]:
-        """Main rank decodes; the others wait at the barrier."""
+        """The ranks that hold a probe decode (the main rank; with a tensor-parallel target, its group's ranks in
+        lockstep); the others wait at the barrier."""
         out = {}
-        if self.par.is_main and self.tau_probe is not None and self.tau_probe.prompts:
+        if self.tau_probe is not None and self.tau_probe.prompts:
             with self.par.autocast():
                 out = self.tau_probe(self.par.unwrap(self.model).head)
         self.par.barrier()

@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from pipeline.dist import rank_info
+from pipeline.dist import RankInfo, rank_info, target_layout
 
 from .config import MixedPrecision, TrainConfig
 
@@ -55,7 +55,11 @@ def deepspeed_config_file(cfg: TrainConfig) -> Optional[str]:
 
 
 class Parallel:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, tensor_parallel: int = 1):
+        """`tensor_parallel`: N > 1 when each group of N ranks computes its states with one tensor-parallel target
+        (train.source=online): the group's ranks then train on the same micro-batches (the data split is over
+        groups, `data_rank` of `data_world_size`) and the head stays DDP over every rank: the group's identical
+        gradients average to the gradient of data parallelism over the groups."""
         from accelerate import Accelerator, DeepSpeedPlugin, DistributedDataParallelKwargs
         from accelerate.utils import DistributedType
 
@@ -80,6 +84,8 @@ class Parallel:
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
         self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        self.layout = target_layout(tensor_parallel, RankInfo(self.rank, self.world_size,
+                                                              self.accelerator.local_process_index))
 
     # -- topology --------------------------------------------------------------------------------------------
     @property
@@ -97,6 +103,15 @@ class Parallel:
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place in the data split: its tensor-parallel group's index (its rank without TP)."""
+        return self.layout.data_rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.layout.data_world
 
     @property
     def mixed_precision(self) -> str:
@@ -146,6 +161,13 @@ class Parallel:
         out = tensor.detach().to(self.device, copy=True)
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
         return out
+
+    def reduce_data_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data split: each tensor-parallel group's value once (its first rank's; the group's ranks
+        computed the same micro-batches). Without TP, `reduce_sum`."""
+        if not self.layout.sharded:
+            return self.reduce_sum(tensor)
+        return self.reduce_sum(tensor if self.layout.is_writer else torch.zeros_like(tensor))
 
     def any(self, flag: bool) -> bool:
         """True on every rank when any rank says True (e.g. a SIGTERM that reached one task first)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.dist import head_target, rank_info, target_layout
 from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, save_head
@@ -55,7 +56,9 @@ def seed_everything(seed: int) -> None:
 
 def main(cfg) -> dict:
     """Trains `cfg.head` on this experiment's dump (or online). Returns the final metrics (main rank)."""
-    par = Parallel(cfg.train)
+    # Online, a tensor-parallel group of ranks computes one rank's micro-batches (target.tensor_parallel).
+    online = cfg.train.source == TrainSource.online
+    par = Parallel(cfg.train, tensor_parallel=cfg.target.tensor_parallel if online else 1)
     try:
         return train(cfg, par)
     finally:
@@ -79,14 +82,20 @@ def train(cfg, par: Parallel) -> dict:
     log.info("%s: %d rows (%d train / %d validation), %d tokens", "online input" if online else f"dump {dump_dir}",
              len(reader), len(train_idx), len(val_idx), reader.num_tokens)
 
-    head, vocab_info = build_head(cfg, target, reader, train_idx, layer_ids)
-    objective = build_objective(head, hcfg, target.model.get_output_embeddings().weight)
+    frozen = head_target(target, cfg.target) if online else target  # a tensor-parallel target's parts, whole
+    head, vocab_info = build_head(cfg, frozen, reader, train_idx, layer_ids)
+    objective = build_objective(head, hcfg, frozen.model.get_output_embeddings().weight)
     tau_probe = None
-    if par.is_main and tcfg.tau_prompts > 0:
+    # A tensor-parallel target decodes on its group's ranks in lockstep: the first group probes, and (offline)
+    # every rank loads the probe's target, its load being collective.
+    probe = target_layout(cfg.target.tensor_parallel, rank_info())
+    if tcfg.tau_prompts > 0 and (par.is_main or probe.sharded):
         prompts = [p for p in (prompt_of(reader[i]) for i in val_idx) if p is not None][:tcfg.tau_prompts]
         # Offline the target is only its parts (load_rows); the probe decodes, so it loads the target here.
         decoder_model = target.model if online else probe_target(cfg, par, target).model
-        tau_probe = TauProbe(decoder_model, prompts, tcfg.tau_max_new_tokens, *cfg.tree.fixed("train's tau probe"))
+        if par.is_main or probe.data_rank == 0:
+            tau_probe = TauProbe(decoder_model, prompts, tcfg.tau_max_new_tokens,
+                                 *cfg.tree.fixed("train's tau probe"))
 
     identity = {**data_identity, "head": head.config.to_dict(), "train_rows": len(train_idx)}
     if par.precision != "float32":  # a resume never switches autocast (fp32 adds nothing: older runs resume)
