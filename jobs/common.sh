@@ -37,6 +37,20 @@ first_node_addr() {
 # A rendezvous port per job, so two jobs sharing a first node do not collide (override: EAGLET_RDZV_PORT).
 RDZV_PORT=${EAGLET_RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 
+# The target's layout (target.tensor_parallel): TP consecutive tasks hold ONE target sharded TP ways by
+# transformers' tensor parallelism, in dump, online training, eval and train's tau probe; the job's tasks / TP are
+# the data-parallel replicas. E.g. 2 nodes x 8 GPUs with TP=8: two groups (DP 2), one per node. TP must divide the
+# job's tasks and the target's attention and key/value heads; unset: 1 (a whole target per task). Passed to
+# every stage before the job's own overrides (which win):  TP=8 sbatch --nodes=2 jobs/dump.sbatch experiment=...
+# Eval decodes on one group: sbatch --ntasks-per-node=8 --gpus-per-node=8 with TP=8.
+if [[ -n ${TP:-} ]]; then
+  set -- "target.tensor_parallel=${TP}" "$@"
+  # The tasks srun starts without torchrun (dump, eval) meet at the first node (rank = SLURM_PROCID).
+  if ((TP > 1)); then
+    export MASTER_ADDR=${MASTER_ADDR:-$(first_node_addr)} MASTER_PORT=${MASTER_PORT:-$((RDZV_PORT + 1))}
+  fi
+fi
+
 # run_resumable <srun command...>: run the job's step so that the job survives time limits and preemption.
 #  - SIGUSR1 (`#SBATCH --signal=B:USR1@<s>`: the time limit is <s> seconds away) reaches only this shell.
 #    Ask every task to stop (SIGTERM: the trainer checkpoints and exits REQUEUE_EXIT_CODE; regen/dump
