@@ -5,7 +5,8 @@ A sharded forward sums the row-parallel matmuls (o_proj, down_proj) over the ran
 matmul does, so states differ from an unsharded forward by fp32 reassociation only: a few ulps per layer, within
 1e-5 of the tiny model's O(1) states through its 8 layers (measured: ~1e-6 on the final state). Everything the
 ranks must agree on (token ids, masks, row order, the data split, the decoded tokens) is compared exactly.
-- dump: a TP=2 dump equals a TP=1 dump row for row, and a TP=1 trainer accepts it (same fingerprint);
+- dump: a TP=2 dump on 4 ranks (2 groups, each one dumper; transformers then wraps the target in FSDP2 over the
+  groups, `dp_replicate`) equals a TP=1 dump row for row, and a TP=1 reader accepts it (same fingerprint);
 - online training: one TP=2 group (2 ranks) reproduces one process's losses, the head DDP over both ranks;
 - eval: with a TP=2 target the fp32 greedy tree decoding equals vanilla greedy, and the TP=1 eval's answers.
 """
@@ -21,14 +22,18 @@ import pytest
 import torch
 
 from pipeline.dist import LayoutError, RankInfo, target_layout
+from pipeline.eval.run import main as eval_main
 from pipeline.hidden_states.reader import DumpReader
 from pipeline.manifest import load_manifest
 from pipeline.target import TargetError, check_tensor_parallel
-from test_online import online_cli
-from test_train import EXPERIMENT, build_tiny_dump, overrides, run_cli, train_losses
+from pipeline.train import run as train_run
+from test_config import compose_cfg
+from test_online import online_cli, online_config
+from test_train import EXPERIMENT, build_tiny_dump, overrides, run_cli, tiny_data, train_losses
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN4 = TORCHRUN[:-1] + ["4"]
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 ROWS = 24
 QUESTIONS = [{"question_id": 1, "category": "math", "turns": ["What is 12 times 7?", "And 12 times 8?"]},
@@ -64,13 +69,16 @@ def test_layout_splits_the_world_into_groups_of_consecutive_ranks():
     assert one.agree({"x": 1}) == {"x": 1}
 
 
-def test_refuses_a_world_size_or_head_count_that_n_does_not_divide(tiny_model):
+def test_refuses_a_world_size_or_head_count_that_n_does_not_divide(tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
     with pytest.raises(LayoutError, match="target.tensor_parallel=3 does not divide the world size 2"):
         target_layout(3, RankInfo(0, 2, 0))
     with pytest.raises(TargetError, match=r"4 attention heads and 2 key/value heads; N must divide both "
                                           r"\(possible: \[1, 2\]\)"):
-        check_tensor_parallel(tiny_model.config, 4, "tiny")
-    check_tensor_parallel(tiny_model.config, 2, "tiny")
+        check_tensor_parallel(config, 4, "tiny")
+    check_tensor_parallel(config, 2, "tiny")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -79,11 +87,11 @@ def test_refuses_a_world_size_or_head_count_that_n_does_not_divide(tiny_model):
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory, tiny_model_dir, shared_data):
-    """(TP=1 dump root, TP=2 dump root): the same conversations, in-process and under torchrun."""
+    """(TP=1 dump root, TP=2 dump root): the same conversations, in-process and on 4 ranks (2 TP=2 groups)."""
     one = build_tiny_dump(tmp_path_factory.mktemp("tp1"), tiny_model_dir, shared_data, rows=ROWS,
                           shard_bytes=100000)
     two = tmp_path_factory.mktemp("tp2")
-    cli(dump_args(two, tiny_model_dir, shared_data) + ["target.tensor_parallel=2"], launcher=TORCHRUN)
+    cli(dump_args(two, tiny_model_dir, shared_data) + ["target.tensor_parallel=2"], launcher=TORCHRUN4)
     return one, two
 
 
@@ -93,6 +101,7 @@ def test_a_tp2_dump_equals_a_tp1_dump_row_for_row(dumps):
     assert (m1["tensor_parallel"], m2["tensor_parallel"]) == (1, 2)
     assert m2["target"] == m1["target"]  # the fingerprint does not depend on the layout
     assert m2["plan"]["key"] == m1["plan"]["key"] and len(m2["shards"]) == len(m1["shards"]) > 1
+    assert m2["timings"]["this_run"]["world_size"] == 2  # the manifest's writer was one of 2 data ranks (groups)
     r1, r2 = DumpReader(one), DumpReader(two, expect_target=m1["target"])  # a TP=1 consumer accepts it
     assert len(r1) == len(r2) == ROWS - 1  # one of the conversations has no assistant turn
     worst = 0.0
@@ -114,14 +123,14 @@ def online(tmp_path_factory, tiny_model_dir, shared_data):
     """Online training, one process and one TP=2 group of 2 ranks (same global batch: grad_accum=1 each)."""
     root = tmp_path_factory.mktemp("online")
     common = dict(max_steps=4, epochs=2, save_every=4, eval_every=2, tau_prompts=1, tau_max_new_tokens=8)
-    runs = {}
-    for name, tp, launcher in (("one", 1, None), ("tp2", 2, TORCHRUN)):
-        d = {**overrides(root, tiny_model_dir, "eagle3", name, **common), **online_cli(shared_data),
-             "target.tensor_parallel": tp}
-        out = run_cli(d, env=ENV, launcher=launcher, timeout=240)
-        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-        runs[name] = root / EXPERIMENT / "train" / name
-    return root, runs
+    cfg = online_config(root, tiny_model_dir, shared_data, **common)  # one process, in this one
+    cfg.train.source, cfg.head.name, cfg.data = "online", "one", tiny_data(shared_data, rows=48)  # = online_cli
+    train_run.main(cfg)
+    d = {**overrides(root, tiny_model_dir, "eagle3", "tp2", **common), **online_cli(shared_data),
+         "target.tensor_parallel": 2}
+    out = run_cli(d, env=ENV, launcher=TORCHRUN, timeout=240)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return root, {name: root / EXPERIMENT / "train" / name for name in ("one", "tp2")}
 
 
 def test_online_training_with_one_tp2_group_reproduces_one_process(online):
@@ -147,9 +156,11 @@ def test_eval_with_a_tp2_target_is_lossless(online, tiny_model_dir):
     questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
     args = [f"output_root={root}", f"name={EXPERIMENT}", "stage=eval", "target=hf", f"target.path={tiny_model_dir}",
             "target.name=tiny", f"target.hub_id={tiny_model_dir}", "head=eagle3", "head.name=tp2",
-            "head.draft_vocab_size=200", "head.ttt_steps=3", f"eval.questions={questions}", "eval.max_new_tokens=32",
+            "head.draft_vocab_size=200", "head.ttt_steps=3", f"eval.questions={questions}", "eval.max_new_tokens=24",
             "tree.depth=4", "tree.top_k=4", "tree.total_tokens=16", "wandb.mode=disabled"]
-    cli(args + ["eval.run_name=tp1"])
+    one = compose_cfg(args + ["eval.run_name=tp1", "eval.baseline=false"])  # TP=1, in this process
+    one.name = EXPERIMENT  # (compose_cfg names the run after the experiment group, as the CLI's ${hydra:} does)
+    eval_main(one)
     cli(args + ["eval.run_name=tp2", "target.tensor_parallel=2"], launcher=TORCHRUN)
     runs = root / EXPERIMENT / "eval" / "tp2"
     s1, s2 = (json.loads((runs / r / "summary.json").read_text()) for r in ("tp1", "tp2"))

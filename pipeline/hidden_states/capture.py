@@ -39,8 +39,14 @@ def no_autograd(model: torch.nn.Module):
     """The forward's no-autograd context: inference_mode, except on a target that transformers wrapped in FSDP2
     (target.tensor_parallel with several groups: its `dp_replicate` dimension), whose hooks refuse inference
     tensors; no_grad there (the same values)."""
+    return torch.no_grad() if fsdp_wrapped(model) else torch.inference_mode()
+
+
+def fsdp_wrapped(model: torch.nn.Module) -> bool:
+    """transformers wrapped the target in FSDP2 (tensor parallelism with several groups: `dp_replicate`): its
+    forward then runs from the root module only, and refuses inference tensors."""
     dc = getattr(model.config, "distributed_config", None)
-    return torch.no_grad() if dc is not None and getattr(dc, "dp_size", 1) > 1 else torch.inference_mode()
+    return dc is not None and getattr(dc, "dp_size", 1) > 1
 
 
 def decoder_body(model: torch.nn.Module) -> torch.nn.Module:
@@ -61,6 +67,8 @@ class HiddenStateCapture:
 
     def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]):
         self.body = decoder_body(model)
+        # FSDP2 runs a forward from its root only: the whole model then, stopping at the final norm.
+        self.root = model if fsdp_wrapped(model) else None
         self.layer_ids = resolve_layer_ids(layer_ids, len(self.body.layers))
         self._states: dict[int, torch.Tensor] = {}
         self._handles: list = []
@@ -93,7 +101,13 @@ class HiddenStateCapture:
         if not self._handles:
             raise RuntimeError("HiddenStateCapture.forward outside its `with` block")
         self._states.clear()
-        out = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if self.root is not None:  # no lm_head rows (an empty index); the final norm's output is the last state
+            out = self.root(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                            logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
+                            output_hidden_states=[-1])
+            out.last_hidden_state = out.hidden_states[-1]
+        else:
+            out = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         try:
             aux = torch.cat([self._states[i] for i in self.layer_ids], dim=-1)
         except KeyError as e:
