@@ -172,3 +172,35 @@ DRAFTERS = {"eagle": EagleDrafter, "medusa": MedusaDrafter}
 def make_drafter(head: torch.nn.Module):
     """The drafter of a trained head's kind (HeadSpec.drafter)."""
     return DRAFTERS[head_spec(head.config.kind).drafter](head)
+
+
+class LockstepDrafter:
+    """A drafter on the ranks of a tensor-parallel target (pipeline.dist.TargetLayout): every rank drafts, then the
+    group verifies its first rank's tree. The sharded forwards then always get one input on every rank, even where
+    a rank's own draft differed by a rounding (its head saw the same states; GPU kernels need not be bitwise
+    reproducible); the drafter's state past a verification depends only on the accepted tokens and states, which
+    the replicated logits make the same on every rank."""
+
+    def __init__(self, drafter, layout):
+        self.drafter, self.layout = drafter, layout
+        self.feature_layers = drafter.feature_layers
+
+    def start(self, input_ids: torch.Tensor, states: Optional[torch.Tensor], next_token: int) -> None:
+        self.drafter.start(input_ids, states, next_token)
+
+    def accept(self, states: Optional[torch.Tensor], next_tokens: torch.Tensor) -> None:
+        self.drafter.accept(states, next_tokens)
+
+    def draft(self, spec: TreeSpec, temperature: float = 0.0, generator: Optional[torch.Generator] = None) -> DraftTree:
+        tree = self.drafter.draft(spec, temperature, generator)
+        fields = ("tokens", "scores", "proposal")
+        device = {f: getattr(tree, f).device for f in fields if getattr(tree, f) is not None}
+        cpu = self.layout.agree(DraftTree(*(t.cpu() if torch.is_tensor(t) else t for t in
+                                            (tree.tokens, tree.parents, tree.scores, tree.proposal))))
+        return DraftTree(cpu.tokens.to(device["tokens"]), cpu.parents,
+                         *(None if getattr(cpu, f) is None else getattr(cpu, f).to(device[f]) for f in fields[1:]))
+
+
+def lockstep(drafter, layout):
+    """`drafter` as the ranks of `layout`'s tensor-parallel target run it (itself without TP)."""
+    return LockstepDrafter(drafter, layout) if layout is not None and layout.sharded else drafter

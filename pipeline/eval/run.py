@@ -13,7 +13,7 @@ from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import render_prompt, stop_token_ids
 from pipeline.dist import TargetLayout, head_target, rank_info, rank_target_config, target_layout
 from pipeline.eval.autotree import choose_tree
-from pipeline.eval.drafter import make_drafter
+from pipeline.eval.drafter import lockstep, make_drafter
 from pipeline.eval.evaluate import answer_questions, record_dict, system_messages
 from pipeline.eval.lookup import PromptLookupDrafter
 from pipeline.eval.progress import EvalProgress
@@ -94,6 +94,7 @@ def main(cfg) -> dict:
                          f"{layout.tp} ranks, not {layout.world_size}")
     target = load_target(rank_target_config(cfg.target, rank_info()) if layout.sharded else cfg.target)
     drafter, drafter_info, inputs = build_drafter(cfg, target)
+    drafter = lockstep(drafter, layout)  # a tensor-parallel group verifies its first rank's trees
     report = BadRecordReport()
     questions = load_questions(cfg.eval.questions, cfg.eval.limit, report, cfg.data.on_bad_record,
                                cfg.data.max_turn_chars)

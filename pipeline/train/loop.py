@@ -106,17 +106,19 @@ class TauProbe:
     top_k: int
     depth: int
     total_tokens: int
+    layout: Optional[object] = None  # a tensor-parallel target's TargetLayout: its group decodes in lockstep
 
     @torch.no_grad()
     def __call__(self, head: nn.Module) -> dict[str, float]:
         from pipeline.eval.decoder import generate, mean_accepted_tokens
-        from pipeline.eval.drafter import make_drafter
+        from pipeline.eval.drafter import lockstep, make_drafter
 
         was_training = head.training
         accept_lengths, t0 = [], time.perf_counter()
         try:
             for prompt in self.prompts:
-                result = generate(self.target_model, make_drafter(head), prompt, self.max_new_tokens,
+                drafter = lockstep(make_drafter(head), self.layout)
+                result = generate(self.target_model, drafter, prompt, self.max_new_tokens,
                                   temperature=0.0, top_k=self.top_k, depth=self.depth,
                                   total_tokens=self.total_tokens)
                 accept_lengths += result.accept_lengths
