@@ -148,7 +148,13 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
         from pipeline.regen.hf_backend import HFBackend
         from pipeline.target import load_target
 
-        target = load_target(rank_target_config(cfg.target, info))
+        target_cfg = rank_target_config(cfg.target, info)
+        if target_cfg.tensor_parallel > 1:  # the ranks generate different batches: a whole target each
+            log.warning("regen.backend=hf loads a whole target per rank; target.tensor_parallel=%d applies to dump, "
+                        "online training and eval (a target too large for one device regenerates through a "
+                        "tensor-parallel server: regen.backend=openai)", target_cfg.tensor_parallel)
+            target_cfg = dataclasses.replace(target_cfg, tensor_parallel=1)
+        target = load_target(target_cfg)
         backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, rcfg.hf)
         generation["stop_token_ids"] = backend.stop_ids
         if rcfg.hf != HFGenerateConfig():  # recorded only when set, so runs started before these options resume
