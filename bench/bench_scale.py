@@ -1,9 +1,10 @@
 """Scale: what a target larger than one device costs the stages, measured side by side in one run.
 
 1. Peak RSS of offline training and of export (both read only the target's parts: embedding, lm_head, final norm)
-   against loading the full target in the trainer's precision, for SmolLM2-135M and for a tiny target padded with
-   1 GB of experts (tests/families.py `build_padded_moe`): `rss_ratio` = parts / full. Each figure is the stage
-   process's own peak (its manifest's timings.peak_rss_mb, Linux VmHWM).
+   against loading the full target in the trainer's precision, and against the same training with the full target
+   loaded (its tau probe decodes with it), for SmolLM2-135M and for a tiny target padded with 1 GB of experts
+   (tests/families.py `build_padded_moe`): `rss_ratio` = parts / full. Each figure is the process's own peak (a
+   stage's manifest's timings.peak_rss_mb, Linux VmHWM).
 2. Dump tokens/s with the target tensor-parallel over 2 ranks against 1 rank (torchrun, gloo), on the suite's tiny
    Llama-shaped target: a correctness vehicle on 2 CPU cores, not a speed claim.
 3. The dump reader's open time for 1k, 10k and 100k shards (bench/scale_reader.py).
@@ -56,14 +57,20 @@ def rss_row(root: Path, label: str, target: list[str], target_kw: dict, weights_
     stage(root, target, "stage=dump", *DATA)
     stage(root, target, "stage=train", "head.name=h", "train.epochs=1", "train.tau_prompts=0", "train.plot=false",
           "train.save_every=1000", "train.eval_every=1000")
+    # The same training with the target loaded whole: the tau probe (rank 0) decodes with it, as every rank of the
+    # offline trainer held it before the parts.
+    stage(root, target, "stage=train", "head.name=with-target", "train.epochs=1", "train.tau_prompts=1",
+          "train.tau_max_new_tokens=4", "train.plot=false", "train.save_every=1000", "train.eval_every=1000")
     stage(root, target, "stage=export", "head.name=h", "export.format=sglang")
     out = run("-c", FULL_LOAD, *(f"{k}={v}" for k, v in target_kw.items()))
     full = float(out.split("PEAK_RSS_MB")[-1].split()[0])
     peak = lambda *p: json.loads((root / "scale" / Path(*p) / "manifest.json").read_text())["timings"]["peak_rss_mb"]  # noqa: E731
-    train, export = peak("train", "h"), peak("export", "h", "sglang")
+    train, export, with_target = peak("train", "h"), peak("export", "h", "sglang"), peak("train", "with-target")
     row = {"target": label, "weights_fp32_mb": round(weights_bytes / 2**20, 1), "full_load_peak_rss_mb": full,
-           "train_peak_rss_mb": train, "export_peak_rss_mb": export,
-           "rss_ratio": {"train": round(train / full, 3), "export": round(export / full, 3)}}
+           "train_peak_rss_mb": train, "train_with_full_target_peak_rss_mb": with_target,
+           "export_peak_rss_mb": export,
+           "rss_ratio": {"train": round(train / full, 3), "export": round(export / full, 3),
+                         "train_vs_train_with_full_target": round(train / with_target, 3)}}
     print(json.dumps(row), flush=True)
     return row
 
