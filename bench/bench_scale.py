@@ -90,6 +90,21 @@ def rss_section(work: Path) -> list[dict]:
     return rows
 
 
+def tp_section(work: Path, rows: int) -> dict:
+    """bench/bench_tp.py's dump at TP=2 against TP=1 (the synthetic Llama: 8 heads / 4 kv heads)."""
+    out = work / "tp.json"
+    run(str(REPO / "bench" / "bench_tp.py"), "--rows", str(rows), "--out", str(out))
+    return json.loads(out.read_text())
+
+
+def reader_section(work: Path, counts: list[int]) -> dict:
+    """bench/scale_reader.py: the dump reader's open time for manifests of many small shards."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale_reader import reader_open_times
+
+    return reader_open_times(work, counts=tuple(counts))
+
+
 def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -101,6 +116,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
     ap.add_argument("--sections", default="rss,tp,reader")
+    ap.add_argument("--tp-rows", type=int, default=100, help="conversations the TP dumps write")
+    ap.add_argument("--shards", type=lambda v: [int(x) for x in v.split(",")], default=[1000, 10000, 100000])
     args = ap.parse_args()
     sections = args.sections.split(",")
     from pipeline.manifest import code_version
@@ -109,8 +126,13 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d"), "code_version": code_version()}
     with tempfile.TemporaryDirectory(prefix="eaglet-bench-scale-") as tmp:
         work = Path(tmp)
-        if "rss" in sections:
-            result["rss"] = rss_section(work / "rss")
+        for name, section in (("rss", lambda w: rss_section(w)), ("tp", lambda w: tp_section(w, args.tp_rows)),
+                              ("reader", lambda w: reader_section(w, args.shards))):
+            if name in sections:
+                (work / name).mkdir()
+                t0 = time.perf_counter()
+                result[name] = section(work / name)
+                print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -45,6 +45,18 @@ def test_tokens_are_made_once_and_equal_a_direct_tokenization(tmp_path, tiny_mod
     assert max(len(s) for s in shorter.samples) <= 48
 
 
+def test_an_edited_source_makes_new_tokens(tmp_path, tiny_model_dir, shared_data):
+    source = tmp_path / "conversations.json"
+    source.write_bytes((shared_data / "alpaca_en_demo" / "alpaca_en_demo.json").read_bytes())
+    cfg = config(tmp_path, tiny_model_dir, shared_data)
+    cfg.data.sources[0].path = str(source)
+    target = load_target_parts(cfg.target)
+    first = tokenized_input(cfg, target)
+    source.write_text(source.read_text().replace("a", "b", 1))  # the first record changes
+    edited = tokenized_input(cfg, target)
+    assert not edited.cached and edited.samples.directory != first.samples.directory
+
+
 RANK = """
 import sys
 from pathlib import Path

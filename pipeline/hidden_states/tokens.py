@@ -70,10 +70,27 @@ class TokenizedInput:
         return bool(self.bad_records.get("total") or self.bad_records.get("fixes"))
 
 
+def source_stamps(data_cfg) -> list:
+    """(path, size, mtime_ns) of every file the data sources name, so an edited source makes new tokens (a regen
+    input is pinned by its manifest's digest instead). A hub dataset id has no local files: its config stands."""
+    stamps = []
+    for source in data_cfg.sources:
+        try:
+            root = Path(source.location()).expanduser()
+        except Exception:  # noqa: BLE001  (a missing package fails later, in the reader, with its own message)
+            continue
+        for f in sorted(root.rglob("*")) if root.is_dir() else [root] if root.is_file() else []:
+            if f.is_file():
+                st = f.stat()
+                stamps.append([str(f), st.st_size, st.st_mtime_ns])
+    return stamps
+
+
 def tokens_key(cfg, fingerprint: dict, inputs: Sequence[Path]) -> str:
     doc = {"version": TOKENS_VERSION, "tokenizer": fingerprint.get("tokenizer_digest"),
            "input": str(cfg.dump.input),
-           "source": [digest_file(Path(d) / MANIFEST) for d in inputs] or to_plain(cfg.data),
+           "source": [digest_file(Path(d) / MANIFEST) for d in inputs] or
+                     {"config": to_plain(cfg.data), "files": source_stamps(cfg.data)},
            "data": {k: to_plain(getattr(cfg.data, k)) for k in
                     ("max_length", "overlength", "system_prompt", "max_turn_chars", "on_bad_record")},
            "limit": cfg.dump.limit}
