@@ -9,10 +9,21 @@ Each shard is mapped copy-on-write (`torch.from_file(shared=False)`, i.e. MAP_PR
 in-place edit of a returned tensor touches a private copy of that page, never the file. Arrow only parses
 the layout (footer, offsets); the bytes go straight from the mapping into torch. `input_ids` / `loss_mask`
 are stored as int32 / uint8 and widened to int64 on access (a copy of T elements).
+
+Shards are mapped on demand and at most `max_open_shards` stay mapped (least recently used first out), so a
+dump of 100k+ shards stays far below Linux's vm.max_map_count (65530 by default: one map per shard). A
+returned sample's tensors keep their shard's mapping alive until they are dropped; the cache itself never
+holds more. The row index is built once per reader by opening each shard's footer and token offsets in turn.
+
+Verification hashes each shard once: a verdict recorded (shards.py, `verified/`) for the same sha256 and an
+unchanged size/mtime/ctime/inode is trusted, anything else is hashed (`verify_shards`).
 """
 from __future__ import annotations
 
 import json
+import logging
+import os
+import stat as stat_mod
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +34,32 @@ import pyarrow as pa
 import torch
 
 from pipeline.hidden_states.capture import CONVENTION
-from pipeline.hidden_states.shards import DTYPES, FORMAT_NAME, FORMAT_VERSION, META_KEY
-from pipeline.manifest import MANIFEST, ManifestError, check_equal, check_target, file_problem, load_manifest
+from pipeline.hidden_states.shards import (
+    DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    META_KEY,
+    compact_record,
+    load_verified,
+    record_verified,
+    stat_key,
+    verdict,
+)
+from pipeline.manifest import (
+    MANIFEST,
+    ManifestError,
+    check_equal,
+    check_target,
+    digest_file,
+    file_problem,
+    load_manifest,
+)
+from pipeline.target import file_sha256
+
+log = logging.getLogger(__name__)
+
+# Shards mapped at once per reader (and per DataLoader worker): one map each, far below vm.max_map_count.
+DEFAULT_MAX_OPEN_SHARDS = 256
 
 
 @dataclass
@@ -90,19 +125,25 @@ class DumpReader:
 
     def __init__(self, dump_dir: Union[str, Path], expect_target: Optional[dict] = None,
                  expect_layer_ids: Optional[Sequence[int]] = None, expect_tokenizer_digest: Optional[str] = None,
-                 verify: bool = True):
+                 verify: bool = True, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS):
         """`verify`: check every shard's sha256 against the manifest before any row is read (a flipped byte
-        on a shared filesystem must never train); bench/bench_integrity.py measures its cost against a
-        training epoch. False only for callers that verified the dump otherwise."""
+        on a shared filesystem must never train), hashing only shards not verified unchanged before
+        (`verify_shards`); bench/bench_integrity.py measures a full hash against a training epoch. False only
+        for callers that verified the dump otherwise. `max_open_shards`: shards kept memory-mapped (LRU)."""
         self.dir = Path(dump_dir)
         self.manifest = load_manifest(self.dir, expect_stage="dump")
         self._check_manifest(expect_target, expect_layer_ids, expect_tokenizer_digest)
         self.layer_ids: list[int] = list(self.manifest["layers"]["ids"])
         self.hidden_size: int = int(self.manifest["hidden_size"])
         self.dtype: torch.dtype = DTYPES[self.manifest["dtype"]]
-        self._shards: dict[int, _Shard] = {}
+        self.max_open_shards = max(1, int(max_open_shards))
+        self._shards: OrderedDict = OrderedDict()  # s -> _Shard, least recently used first
         self._batches: OrderedDict = OrderedDict()
-        self._index(verify)
+        if verify:
+            report = verify_shards(self.dir, manifest=self.manifest)
+            if report.problems:
+                raise ManifestError(f"dump {self.dir}: shard {report.problems[0]}; {REPAIR}")
+        self._index()
 
     # -- checks -------------------------------------------------------------------------------------------
 
@@ -123,33 +164,75 @@ class DumpReader:
             check_equal("dump tokenizer/chat-template digest", expect_tokenizer_digest, m.get("tokenizer_digest"),
                         "expected", str(path))
 
-    def _index(self, verify: bool) -> None:
-        """Row -> (shard, batch, row in batch) and lengths, from the token offsets only (no state pages)."""
-        shard_ix, batch_ix, row_ix, lengths = [], [], [], []
-        for s, entry in enumerate(self.manifest["shards"]):
-            problem = shard_problem(self.dir, entry, digest=verify)
-            if problem:
+    def _index(self) -> None:
+        """Row -> (shard, batch, row in batch) and lengths, from the token offsets only (no state pages). Every
+        shard's presence and size are checked; the index itself is read from index/<manifest sha256>.npz when an
+        earlier reader of this manifest left it there (opening 100k shards takes minutes, reading it
+        milliseconds), else built by opening each shard through the bounded cache, and saved."""
+        entries = self.manifest["shards"]
+        for entry in entries:
+            try:
+                ok = os.stat(os.path.join(self.dir, entry["file"])).st_size == entry["bytes"]
+            except OSError:
+                ok = False
+            if not ok and (problem := shard_problem(self.dir, entry, digest=False)):
                 raise ManifestError(f"dump {self.dir}: shard {problem}; {REPAIR}")
-            path = self.dir / entry["file"]
-            shard = self._shard(s)
-            for key, want in (("layer_ids", self.layer_ids), ("hidden_size", self.hidden_size),
-                              ("dtype", self.manifest["dtype"])):
-                check_equal(f"dump shard {key}", shard.meta[key], want, str(path), str(self.dir / MANIFEST))
+        cache = self._index_cache_path()
+        arrays = _load_index(cache, [e["rows"] for e in entries]) if cache else None
+        if arrays is None:
+            arrays = self._build_index()
+            if cache:
+                _save_index(cache, arrays)
+        self._shard_ix, self._batch_ix, self._row_ix, self.lengths = arrays
+
+    def _build_index(self) -> tuple:
+        """Each shard mapped in turn, its footer and token offsets parsed, and unmapped again (one map at a time;
+        the loop is kept lean: ~0.1-0.3 ms a shard)."""
+        batch_shard, batch_no, batch_rows, lengths = [], [], [], []
+        meta_ok = None  # the schema metadata bytes already checked (one plan key: the same in every shard)
+        for s, entry in enumerate(self.manifest["shards"]):
+            path = os.path.join(self.dir, entry["file"])
+            try:
+                mapped = torch.from_file(path, shared=False, size=entry["bytes"], dtype=torch.uint8)
+                reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(mapped.numpy())))
+                meta = reader.schema.metadata[META_KEY]
+            except (pa.ArrowException, RuntimeError, KeyError, TypeError) as e:
+                raise ManifestError(f"dump {self.dir}: shard {entry['file']}: not a readable shard ({e}); "
+                                    f"{REPAIR}") from e
+            if meta != meta_ok:
+                self._check_shard_meta(json.loads(meta), path)
+                meta_ok = meta
             rows = 0
-            for b in range(shard.reader.num_record_batches):
-                offsets = _batch_view(shard, b, self.dtype, self.hidden_size, self.aux_width).ids_offsets.numpy()
-                n = len(offsets) - 1
-                shard_ix.append(np.full(n, s, np.int32))
-                batch_ix.append(np.full(n, b, np.int32))
-                row_ix.append(np.arange(n, dtype=np.int32))
-                lengths.append(np.diff(offsets).astype(np.int64))
-                rows += n
+            for b in range(reader.num_record_batches):
+                rb = reader.get_batch(b)
+                offsets = rb.column(1).offsets.to_numpy()  # input_ids (schema order)
+                if not np.array_equal(offsets, rb.column(2).offsets.to_numpy()):  # loss_mask
+                    raise ManifestError(f"dump shard {entry['file']}: input_ids and loss_mask rows differ in length")
+                batch_shard.append(s)
+                batch_no.append(b)
+                batch_rows.append(len(offsets) - 1)
+                lengths.append(np.diff(offsets))
+                rows += len(offsets) - 1
+            del rb, offsets, reader, mapped  # unmapped here, before the next shard is mapped
             if rows != entry["rows"]:
                 raise ManifestError(f"{self.dir}: shard {entry['file']} has {rows} rows, "
                                     f"the manifest says {entry['rows']}")
-        cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
-        self._shard_ix, self._batch_ix, self._row_ix = (cat(x, np.int32) for x in (shard_ix, batch_ix, row_ix))
-        self.lengths: np.ndarray = cat(lengths, np.int64)
+        counts = np.asarray(batch_rows, np.int64)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        return (np.repeat(np.asarray(batch_shard, np.int32), counts), np.repeat(np.asarray(batch_no, np.int32), counts),
+                (np.arange(int(counts.sum()), dtype=np.int64) - starts).astype(np.int32),
+                np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64))
+
+    def _check_shard_meta(self, meta: dict, path) -> None:
+        for key, want in (("layer_ids", self.layer_ids), ("hidden_size", self.hidden_size),
+                          ("dtype", self.manifest["dtype"])):
+            check_equal(f"dump shard {key}", meta[key], want, str(path), str(self.dir / MANIFEST))
+
+    def _index_cache_path(self) -> Optional[Path]:
+        try:
+            return self.dir / INDEX_DIR / f"{digest_file(self.dir / MANIFEST)}.npz"
+        except OSError:
+            return None
 
     # -- access -------------------------------------------------------------------------------------------
 
@@ -165,9 +248,20 @@ class DumpReader:
         return len(self.lengths)
 
     def _shard(self, s: int) -> _Shard:
-        if s not in self._shards:
-            self._shards[s] = _Shard(self.dir / self.manifest["shards"][s]["file"])
-        return self._shards[s]
+        shard = self._shards.get(s)
+        if shard is not None:
+            self._shards.move_to_end(s)
+            return shard
+        path = self.dir / self.manifest["shards"][s]["file"]
+        shard = _Shard(path)
+        self._check_shard_meta(shard.meta, path)
+        self._shards[s] = shard
+        while len(self._shards) > self.max_open_shards:
+            old, _ = self._shards.popitem(last=False)
+            # Its parsed batches hold views of the mapping: dropped with it, or the map would stay.
+            for key in [k for k in self._batches if k[0] == old]:
+                del self._batches[key]
+        return shard
 
     def _batch(self, s: int, b: int) -> _BatchView:
         key = (s, b)
@@ -206,14 +300,60 @@ class DumpReader:
         for i in range(len(self)):
             yield self[i]
 
-    def verify(self) -> list[str]:
-        return verify_dump(self.dir)
+    def verify(self, force: bool = False) -> list[str]:
+        """Bad shards, one line each (empty: intact); `force` hashes even shards verified unchanged before."""
+        return verify_dump(self.dir, force=force)
 
     # DataLoader workers: ship the index, reopen the mappings lazily in the worker.
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_shards"], state["_batches"] = {}, OrderedDict()
+        state["_shards"], state["_batches"] = OrderedDict(), OrderedDict()
         return state
+
+
+# -- the row index's cache: index/<sha256 of manifest.json>.npz, pickle-free, never the manifest itself --------
+
+INDEX_DIR = "index"
+_INDEX_VERSION = 1
+_INDEX_KEYS = ("shard_ix", "batch_ix", "row_ix", "lengths")
+
+
+def _load_index(path: Path, shard_rows: Sequence[int]) -> Optional[tuple]:
+    """The cached index when it is whole and agrees with the manifest's per-shard rows, else None."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if int(z["version"]) != _INDEX_VERSION:
+                return None
+            arrays = tuple(z[k] for k in _INDEX_KEYS)
+    except (OSError, ValueError, KeyError, EOFError):  # absent, torn, foreign
+        return None
+    shard_ix, batch_ix, row_ix, lengths = arrays
+    n = len(lengths)
+    if not (len(shard_ix) == len(batch_ix) == len(row_ix) == n and shard_ix.dtype == batch_ix.dtype == row_ix.dtype
+            == np.int32 and lengths.dtype == np.int64):
+        return None
+    if n and (shard_ix.min() < 0 or shard_ix.max() >= len(shard_rows)):
+        return None
+    if not np.array_equal(np.bincount(shard_ix, minlength=len(shard_rows)), np.asarray(shard_rows, np.int64)):
+        return None
+    return arrays
+
+
+def _save_index(path: Path, arrays: tuple) -> None:
+    """Written atomically beside the shards; a read-only or full dump folder only means no cache. Indexes of
+    earlier manifests of this folder are removed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, version=np.int64(_INDEX_VERSION), **dict(zip(_INDEX_KEYS, arrays)))
+        os.replace(tmp, path)
+        for old in path.parent.glob("*.npz"):
+            if old.name != path.name:
+                old.unlink(missing_ok=True)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.debug("dump: row index not cached in %s (%s)", path.parent, e)
 
 
 # How to repair a bad shard: the dump stage rewrites exactly the shards whose files are gone (dump.py).
@@ -227,10 +367,59 @@ def shard_problem(dump_dir: Path, entry: dict, digest: bool = True) -> Optional[
     return problem and f"{entry['file']}: {problem}"
 
 
-def verify_dump(dump_dir: Union[str, Path], rank: int = 0, world_size: int = 1) -> list[str]:
-    """Rechecks every shard against the manifest: presence, size, sha256. Returns one line per bad shard,
-    naming it; empty when the dump is intact. With several ranks each checks its round-robin share and they
-    combine the verdict, so the dump is read for it once, not once per rank."""
+@dataclass
+class VerifyReport:
+    problems: list  # one line per bad shard, naming it; empty when this rank's share is intact
+    hashed: int = 0  # shards read and hashed now
+    trusted: int = 0  # shards whose recorded verdict still holds (same sha256, size, mtime, ctime, inode)
+
+    def __str__(self) -> str:
+        return (f"{self.hashed} shards hashed, {self.trusted} trusted (verified before, unchanged since)"
+                + (f", {len(self.problems)} bad" if self.problems else ""))
+
+
+_RECORD_EVERY = 256  # verdicts appended per write while hashing (a kill loses at most these)
+
+
+def verify_shards(dump_dir: Union[str, Path], rank: int = 0, world_size: int = 1, force: bool = False,
+                  manifest: Optional[dict] = None) -> VerifyReport:
+    """Checks this rank's round-robin share of the manifest's shards (by manifest index, so the split never
+    depends on what another rank recorded meanwhile): presence and size always; the sha256 of every shard
+    without a verdict that still holds (`force`: of every shard), recording each match in this rank's file
+    of `verified/`. With several ranks they combine the verdict, so the dump is read once, not per rank."""
     dump_dir = Path(dump_dir)
-    entries = load_manifest(dump_dir, expect_stage="dump")["shards"]
-    return [p for entry in entries[rank::world_size] if (p := shard_problem(dump_dir, entry))]
+    entries = (manifest or load_manifest(dump_dir, expect_stage="dump"))["shards"][rank::world_size]
+    known = {} if force else load_verified(dump_dir)
+    report, pending = VerifyReport([]), []
+    for entry in entries:
+        name, path = entry["file"], dump_dir / entry["file"]
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        if st is None or not stat_mod.S_ISREG(st.st_mode) or st.st_size != entry["bytes"]:
+            report.problems.append(f"{name}: {file_problem(path, entry['bytes'], None) or 'changed while checked'}")
+            continue
+        if (entry["sha256"], *stat_key(st)) in known.get(name, ()):
+            report.trusted += 1
+            continue
+        sha = file_sha256(path)
+        report.hashed += 1
+        if sha != entry["sha256"]:
+            report.problems.append(f"{name}: sha256 {sha[:16]}... but recorded {entry['sha256'][:16]}... (corrupt)")
+            continue
+        if stat_key(os.stat(path)) == stat_key(st):  # not rewritten while it was read
+            pending.append(verdict(name, sha, st))
+        if len(pending) >= _RECORD_EVERY:
+            record_verified(dump_dir, pending, "verify")
+            pending = []
+    record_verified(dump_dir, pending, "verify")
+    if report.hashed:
+        compact_record(dump_dir, "verify")
+    return report
+
+
+def verify_dump(dump_dir: Union[str, Path], rank: int = 0, world_size: int = 1, force: bool = False) -> list[str]:
+    """Rechecks this rank's share of the shards against the manifest: presence, size, sha256 (hash once:
+    see `verify_shards`). Returns one line per bad shard, naming it; empty when the dump is intact."""
+    return verify_shards(dump_dir, rank, world_size, force=force).problems

@@ -8,7 +8,7 @@ from pipeline.data.bad_records import BadRecordReport
 from pipeline.dist import rank_info, rank_target_config, target_layout
 from pipeline.hidden_states.dump import DumpSummary, dump_hidden_states
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
-from pipeline.hidden_states.reader import REPAIR, verify_dump
+from pipeline.hidden_states.reader import REPAIR, DumpReader, verify_dump
 from pipeline.hidden_states.tokens import tokenized_input
 from pipeline.manifest import MANIFEST, ManifestError
 from pipeline.target import load_target
@@ -41,11 +41,13 @@ def main(cfg) -> DumpSummary:
     log.info("%s", summary)
 
     if cfg.dump.verify and summary.manifest is not None:
-        problems = verify_dump(out_dir)
+        problems = verify_dump(out_dir, force=True)  # really re-reads what was written (and records it)
         if problems:
             raise DumpVerifyError(f"dump.verify: {len(problems)} bad shard(s) in {out_dir}:\n  " + "\n  ".join(problems)
                                   + f"\n{REPAIR}")
         log.info("dump.verify: all %d shards match their sha256", summary.shards)
+    if summary.manifest is not None:  # the row index, built once here and cached (index/) for every reader
+        DumpReader(out_dir, verify=False)
     return summary
 
 

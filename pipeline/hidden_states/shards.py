@@ -11,14 +11,22 @@ Hidden states are stored as raw bytes because Arrow has no bfloat16: bf16 is kep
 view the bytes as torch tensors without copying. The schema metadata repeats the layout and the plan key,
 and holds nothing time- or host-dependent, so the same plan always produces byte-identical files.
 Writes are atomic: a shard is written under a temporary name, fsynced, then renamed.
+
+Hash once: the writer's sha256 of a shard, and every later verification, is recorded with the file's stat in
+`verified/<who>-rank<R>.jsonl` (one append-only file per writing or verifying rank, so concurrent ranks never
+write the same file; merged on read; never manifest.json, whose bytes are the dump's identity downstream).
+A record line is trusted only while its sha256 and size equal the manifest's entry and the file's size,
+mtime, ctime and inode are still the recorded ones, so a shard rewritten (in place or by rename, even with
+its mtime restored) is hashed again on its next read.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -27,9 +35,12 @@ import torch
 from pipeline.precision import DTYPES, dtype_name, parse_dtype
 from pipeline.target import file_sha256
 
+log = logging.getLogger(__name__)
+
 FORMAT_NAME = "eaglet-hidden-states"
 FORMAT_VERSION = 1
 META_KEY = b"eaglet"
+VERIFIED_DIR = "verified"  # hash-once records (see the module docstring)
 
 def resolve_dump_dtype(name: str, target_dtype: torch.dtype) -> torch.dtype:
     """dump.dtype: `auto` stores in the target's compute dtype (bf16 shards are half the bytes)."""
@@ -147,9 +158,13 @@ class ShardWriter:
         finally:
             os.close(fd)
         sha = file_sha256(self.tmp)
+        before = os.stat(self.tmp)
         os.replace(self.tmp, self.path)
+        st = os.stat(self.path)
+        if st.st_ino == before.st_ino and st.st_mtime_ns == before.st_mtime_ns and st.st_size == before.st_size:
+            record_verified(self.path.parent, [verdict(self.path.name, sha, st)], "dump")
         return {"file": self.path.name, "rows": self.rows, "tokens": self.tokens,
-                "bytes": self.path.stat().st_size, "sha256": sha}
+                "bytes": st.st_size, "sha256": sha}
 
     def abort(self) -> None:
         try:
@@ -178,3 +193,93 @@ def shard_entry(path: Path) -> dict:
         tokens = sum(len(b.column(1).values) for b in batches)
     return {"file": path.name, "rows": rows, "tokens": tokens, "bytes": path.stat().st_size,
             "sha256": file_sha256(path)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hash-once records: verified/<who>-rank<R>.jsonl
+
+
+def stat_key(st: os.stat_result) -> tuple:
+    """What must be unchanged for a recorded sha256 to still hold: size, mtime, ctime (no user can set it:
+    an in-place edit with the mtime restored still moves it) and inode (a rewrite-and-rename)."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def verdict(file: str, sha256: str, st: os.stat_result) -> dict:
+    return {"file": file, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino, "sha256": sha256}
+
+
+def _record_key(rec: dict) -> tuple:
+    return (rec["bytes"], rec["mtime_ns"], rec["ctime_ns"], rec["inode"])
+
+
+def record_path(dump_dir: Path, who: str, rank: Optional[int] = None) -> Path:
+    if rank is None:
+        from pipeline.dist import rank_info
+
+        rank = rank_info().rank
+    return Path(dump_dir) / VERIFIED_DIR / f"{who}-rank{rank:05d}.jsonl"
+
+
+def record_verified(dump_dir: Path, verdicts: Iterable[dict], who: str, rank: Optional[int] = None) -> bool:
+    """Appends verdicts (sha256 matched when hashed) to this rank's record; one write per call, so lines of
+    two processes never interleave. False (logged) when the dump folder is read-only or full: the shards are
+    then simply hashed again next time."""
+    text = "".join(json.dumps(v, sort_keys=True) + "\n" for v in verdicts)
+    if not text:
+        return True
+    path = record_path(dump_dir, who, rank)
+    try:
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        return True
+    except OSError as e:
+        log.warning("dump: cannot record verified shards in %s (%s); they are hashed again on the next read",
+                    path.parent, e)
+        return False
+
+
+def load_verified(dump_dir: Path) -> dict[str, set]:
+    """{file: {(sha256, bytes, mtime_ns, ctime_ns, inode), ...}} merged from every rank's record; a torn or
+    foreign line (a kill inside a write) is skipped, which only means that shard is hashed again."""
+    out: dict[str, set] = {}
+    folder = Path(dump_dir) / VERIFIED_DIR
+    if not folder.is_dir():
+        return out
+    for path in sorted(folder.glob("*.jsonl")):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                rec = json.loads(line)
+                out.setdefault(str(rec["file"]), set()).add((str(rec["sha256"]), *map(int, _record_key(rec))))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def compact_record(dump_dir: Path, who: str, rank: Optional[int] = None) -> None:
+    """Rewrites this rank's record keeping the last verdict per file (the record otherwise grows by one line
+    per shard with every forced verification). Best effort: a line lost to a concurrent append is a rehash."""
+    from pipeline.manifest import atomic_write_text
+
+    path = record_path(dump_dir, who, rank)
+    try:
+        last: dict[str, str] = {}
+        lines = path.read_text(errors="replace").splitlines()
+        for line in lines:
+            try:
+                last[str(json.loads(line)["file"])] = line
+            except (ValueError, KeyError, TypeError):
+                continue
+        if len(last) < len(lines):
+            atomic_write_text(path, "".join(v + "\n" for v in last.values()))
+    except OSError:
+        pass

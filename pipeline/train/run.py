@@ -25,7 +25,7 @@ from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, save_head
 from pipeline.heads.vocab import build_draft_vocab
-from pipeline.hidden_states.reader import REPAIR, DumpReader, verify_dump
+from pipeline.hidden_states.reader import REPAIR, DumpReader, verify_shards
 from pipeline.manifest import (
     MANIFEST,
     ManifestError,
@@ -140,7 +140,10 @@ def load_rows(cfg, par: Parallel, online: bool):
     # match them (a mismatch means the dump is stale), unset ones are not recomputed here.
     fuses_layers = head_spec(cfg.head.kind).fuses_target_layers
     if cfg.train.verify_inputs:  # before any shard is parsed; each rank hashes its share, all stop if any is bad
-        problems = verify_dump(dump_dir, par.rank, par.world_size)
+        # Hash once: a shard verified before and unchanged since (size, mtime, ctime, inode) is trusted.
+        checked = verify_shards(dump_dir, par.rank, par.world_size)
+        log.info("dump verify (rank %d of %d): %s", par.rank, par.world_size, checked)
+        problems = checked.problems
         if par.any(bool(problems)):
             raise ManifestError(f"dump {dump_dir}: shard {'; '.join(problems) or 'found bad by another rank'}; "
                                 f"{REPAIR}")
