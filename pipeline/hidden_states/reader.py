@@ -348,7 +348,9 @@ def _save_index(path: Path, arrays: tuple) -> None:
         with open(tmp, "wb") as f:
             np.savez(f, version=np.int64(_INDEX_VERSION), **dict(zip(_INDEX_KEYS, arrays)))
         os.replace(tmp, path)
-        for old in path.parent.glob("*.npz"):
+        # Older manifests' indexes, and temporaries of savers killed mid-write (a concurrent saver whose
+        # temporary goes only fails its rename: the index is the same).
+        for old in [*path.parent.glob("*.npz"), *path.parent.glob(".*.tmp")]:
             if old.name != path.name:
                 old.unlink(missing_ok=True)
     except OSError as e:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -239,9 +240,14 @@ def record_verified(dump_dir: Path, verdicts: Iterable[dict], who: str, rank: Op
             os.close(fd)
         return True
     except OSError as e:
-        log.warning("dump: cannot record verified shards in %s (%s); they are hashed again on the next read",
-                    path.parent, e)
+        if path.parent not in _UNRECORDABLE:  # once per folder: a read-only dump is hashed at every start
+            _UNRECORDABLE.add(path.parent)
+            log.warning("dump: cannot record verified shards in %s (%s); they are hashed again on the next read",
+                        path.parent, e)
         return False
+
+
+_UNRECORDABLE: set = set()
 
 
 def load_verified(dump_dir: Path) -> dict[str, set]:
@@ -268,7 +274,7 @@ def load_verified(dump_dir: Path) -> dict[str, set]:
 def compact_record(dump_dir: Path, who: str, rank: Optional[int] = None) -> None:
     """Rewrites this rank's record keeping the last verdict per file (the record otherwise grows by one line
     per shard with every forced verification). Best effort: a line lost to a concurrent append is a rehash."""
-    from pipeline.manifest import atomic_write_text
+    from pipeline.manifest import STALE_TMP_S, atomic_write_text
 
     path = record_path(dump_dir, who, rank)
     try:
@@ -281,5 +287,8 @@ def compact_record(dump_dir: Path, who: str, rank: Optional[int] = None) -> None
                 continue
         if len(last) < len(lines):
             atomic_write_text(path, "".join(v + "\n" for v in last.values()))
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a compaction killed mid-write
+            if time.time() - stale.stat().st_mtime > STALE_TMP_S:
+                stale.unlink(missing_ok=True)
     except OSError:
         pass
