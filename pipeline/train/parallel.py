@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from pipeline.dist import RankInfo, rank_info, target_layout
+from pipeline.dist import RankInfo, export_slurm_ranks, target_layout
 
 from .config import MixedPrecision, TrainConfig
 
@@ -32,16 +32,6 @@ def resolve_mixed_precision(name: str, cuda: bool) -> str:
     if name == MixedPrecision.auto:
         return "bf16" if fast_bf16("cuda" if cuda else "cpu") else "no"
     return str(name)
-
-
-def _export_slurm_ranks() -> None:
-    """Under `srun` without torchrun only SLURM_* is set; torch.distributed reads RANK/WORLD_SIZE."""
-    info = rank_info()
-    if info.world_size > 1 and "RANK" not in os.environ:
-        os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
-        os.environ.setdefault("MASTER_PORT", "29500")
-        if "MASTER_ADDR" not in os.environ:
-            raise RuntimeError("multi-task Slurm launch: export MASTER_ADDR (the first node's hostname)")
 
 
 def deepspeed_config_file(cfg: TrainConfig) -> Optional[str]:
@@ -63,7 +53,7 @@ class Parallel:
         from accelerate import Accelerator, DeepSpeedPlugin, DistributedDataParallelKwargs
         from accelerate.utils import DistributedType
 
-        _export_slurm_ranks()
+        export_slurm_ranks()
         cuda = torch.cuda.is_available()
         plugin = None
         ds_config = deepspeed_config_file(cfg)
