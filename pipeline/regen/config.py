@@ -4,13 +4,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.choices import Choice
+from pipeline.regen.backends import names as backend_names
 
-
-class RegenBackend(Choice):
-    auto = "auto"
-    hf = "hf"
-    llamacpp = "llamacpp"
-    openai = "openai"
+# `auto` and every registered backend (pipeline/regen/backends.py: a backend is one entry there).
+RegenBackend = Choice("RegenBackend", {name: name for name in ("auto", *backend_names())})
 
 
 class OnDegenerate(Choice):

@@ -108,3 +108,38 @@ class HFBackend:
             content, n_tokens, finish = new_ids[:stop], stop + 1, "stop"
         text = self.tokenizer.decode(content, skip_special_tokens=True)
         return Answer(text=text, n_tokens=n_tokens, finish_reason=finish)
+
+
+# -- registry entry (pipeline/regen/backends.py) ------------------------------------------------------------
+
+def unavailable(cfg) -> str | None:
+    return None  # any target transformers loads, on any device
+
+
+def version() -> str | None:
+    import transformers
+
+    return transformers.__version__
+
+
+def make(cfg, info):
+    """(backend, target fingerprint, generation parameters): the whole target on this rank."""
+    import dataclasses
+
+    from pipeline.dist import rank_target_config
+    from pipeline.target import load_target
+
+    rcfg = cfg.regen
+    target_cfg = rank_target_config(cfg.target, info)
+    if target_cfg.tensor_parallel > 1:  # the ranks generate different batches: a whole target each
+        log.warning("regen.backend=hf loads a whole target per rank; target.tensor_parallel=%d applies to dump, "
+                    "online training and eval (a target too large for one device regenerates through a "
+                    "tensor-parallel server: regen.backend=openai)", target_cfg.tensor_parallel)
+        target_cfg = dataclasses.replace(target_cfg, tensor_parallel=1)
+    target = load_target(target_cfg)
+    backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, rcfg.hf)
+    generation = {"stop_token_ids": backend.stop_ids}
+    if rcfg.hf != HFGenerateConfig():  # recorded only when set, so runs started before these options resume
+        generation["hf"] = dataclasses.asdict(rcfg.hf)
+    generation["precision"] = target.precision
+    return backend, target.fingerprint, generation

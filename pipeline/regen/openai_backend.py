@@ -153,3 +153,53 @@ class OpenAIBackend:
         self.pool.shutdown(wait=True)
         if self.server is not None:
             self.server.close()
+
+
+# -- registry entry (pipeline/regen/backends.py) ------------------------------------------------------------
+
+def unavailable(cfg) -> Optional[str]:
+    return None  # servers the user runs: whether they answer is checked when the run starts
+
+
+def version() -> Optional[str]:
+    return None  # the servers' own
+
+
+def refuse_own_template(cfg, name: str) -> None:
+    if cfg.target.chat_template:
+        raise ValueError(f"target.chat_template={cfg.target.chat_template!r} with regen.backend={name}: the server "
+                         f"renders each chat with its own template, so the answers would not be the ones that "
+                         f"template asks for; use regen.backend=hf")
+
+
+def served_tokenizer(cfg):
+    """The target's tokenizer, as load_target pads it, so every backend digests the same tokenizer."""
+    from pipeline.target import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.target)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def served_fingerprint(cfg, tokenizer, served) -> dict:
+    """`compute_fingerprint`'s fields for the configured target (what the served model must be), from its config
+    and tokenizer only: the weights that generate are on the server, so `weights_digest` is None rather than a
+    digest of local weights that did not generate."""
+    from transformers import AutoConfig
+
+    from pipeline.target import compute_fingerprint, materialize
+
+    location, source = materialize(cfg.target)
+    hf_config = AutoConfig.from_pretrained(location, revision=cfg.target.revision)
+    return {**compute_fingerprint(hf_config, tokenizer, cfg.target, source, weights=None),
+            "served": {"base_url": served.base_url, "model": served.model}}
+
+
+def make(cfg, info):
+    rcfg = cfg.regen
+    refuse_own_template(cfg, "openai")
+    tokenizer = served_tokenizer(cfg)
+    backend = OpenAIBackend(rcfg.openai, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer)
+    return backend, served_fingerprint(cfg, tokenizer, rcfg.openai), {"served_model": backend.model,
+                                                                      "base_url": backend.base_url}

@@ -5,11 +5,9 @@ rank 0 waits for every shard and writes the manifest. Logic lives in batching / 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -17,10 +15,11 @@ from tqdm.auto import tqdm
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.readers import read_sources
-from pipeline.dist import RankInfo, rank_info, rank_target_config, shard_for_rank
+from pipeline.dist import RankInfo, rank_info, shard_for_rank
 from pipeline.manifest import FINGERPRINT_KEYS, write_manifest
+from pipeline.regen import backends
 from pipeline.regen.batching import Plan, RegenItem, make_plan, to_items
-from pipeline.regen.config import HFGenerateConfig, RegenConfig
+from pipeline.regen.config import RegenConfig
 from pipeline.regen.shards import RegenDir, sum_stats
 from pipeline.regen.waves import regen_batch
 
@@ -114,125 +113,37 @@ def prompt_length(backend):
 
 
 def resolve_backend(cfg: EagletConfig) -> str:
-    """`auto`: llama.cpp's server when it can serve this target here (a GGUF, on CPU, the binary built),
-    else in-process HF generation."""
+    """`auto`: the first backend of `backends.AUTO_ORDER` for the target's device that can serve it here (the
+    llama.cpp server for a GGUF target on CPU once its binary is built, else in-process HF generation)."""
     rcfg = cfg.regen
     if rcfg.backend != "auto":
         return str(rcfg.backend)
-    from pipeline.regen.llama_server import find_binary
-    from pipeline.target import resolve_device, resolve_source
+    from pipeline.target import resolve_device
 
     started = RegenDir(cfg.stage_dir("regen")).run_path
     if started.is_file() and not rcfg.overwrite:  # a run being resumed keeps the engine it started with
         previous = json.loads(started.read_text()).get("generation", {}).get("backend")
-        if previous in ("hf", "llamacpp"):
+        if previous in backends.names() and previous != "openai":
             return previous
-
-    on_cpu = resolve_device(cfg.target.device).type == "cpu"
-    if cfg.target.chat_template:  # a server renders chats with its own template, never eaglet's
-        return "hf"
-    if on_cpu and find_binary(rcfg.llamacpp, cfg.target) is not None and resolve_source(cfg.target)[0] == "gguf":
-        return "llamacpp"
+    for name in backends.AUTO_ORDER.get(resolve_device(cfg.target.device).type, ("hf",)):
+        reason = backends.module(name).unavailable(cfg)
+        if reason is None:
+            return name
+        log.debug("regen.backend=auto: not %s (%s)", name, reason)
     return "hf"
 
 
 def make_backend(cfg: EagletConfig, info: RankInfo):
-    """(backend, target fingerprint, generation parameters)."""
+    """(backend, target fingerprint, generation parameters) of the resolved backend (pipeline/regen/backends.py)."""
     rcfg = cfg.regen
     name = resolve_backend(cfg)
     generation = {"backend": name, "max_new_tokens": rcfg.max_new_tokens, "temperature": rcfg.temperature,
                   "top_p": rcfg.top_p, "seed": rcfg.seed, "batch_size": rcfg.batch_size,
                   "batches_per_shard": rcfg.batches_per_shard, "on_degenerate": rcfg.on_degenerate,
                   "system_prompt": cfg.data.system_prompt}
-    if name == "hf":
-        from pipeline.regen.hf_backend import HFBackend
-        from pipeline.target import load_target
-
-        target_cfg = rank_target_config(cfg.target, info)
-        if target_cfg.tensor_parallel > 1:  # the ranks generate different batches: a whole target each
-            log.warning("regen.backend=hf loads a whole target per rank; target.tensor_parallel=%d applies to dump, "
-                        "online training and eval (a target too large for one device regenerates through a "
-                        "tensor-parallel server: regen.backend=openai)", target_cfg.tensor_parallel)
-            target_cfg = dataclasses.replace(target_cfg, tensor_parallel=1)
-        target = load_target(target_cfg)
-        backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, rcfg.hf)
-        generation["stop_token_ids"] = backend.stop_ids
-        if rcfg.hf != HFGenerateConfig():  # recorded only when set, so runs started before these options resume
-            generation["hf"] = dataclasses.asdict(rcfg.hf)
-        generation["precision"] = target.precision
-        return backend, target.fingerprint, generation
-
-    if cfg.target.chat_template:
-        raise ValueError(f"target.chat_template={cfg.target.chat_template!r} with regen.backend={name}: the server "
-                         f"renders each chat with its own template, so the answers would not be the ones that "
-                         f"template asks for; use regen.backend=hf")
-    from pipeline.regen.openai_backend import OpenAIBackend
-    from pipeline.target import load_tokenizer, resolve_source
-
-    tokenizer = load_tokenizer(cfg.target)
-    if tokenizer.pad_token_id is None:  # as load_target does, so both backends digest the same tokenizer
-        tokenizer.pad_token = tokenizer.eos_token
-    server = None
-    openai_cfg = rcfg.openai
-    if name == "llamacpp":
-        # The GGUF names the served model (what the server's /models lists varies with its version).
-        generation["served_model"] = Path(resolve_source(cfg.target)[1]).name
-        if rcfg.finalize_partial:  # writes a manifest only: nothing to serve
-            openai_cfg = dataclasses.replace(rcfg.openai, base_url="", model="default")
-            generation["base_url"] = ""
-            return None, served_fingerprint(cfg, tokenizer, openai_cfg), generation
-        server = start_llama_server(cfg, info)
-        openai_cfg = dataclasses.replace(rcfg.openai, base_url=server.base_url, model="default",
-                                         concurrency=rcfg.llamacpp.slots, timeout_s=rcfg.llamacpp.timeout_s)
-        generation["server"] = {"command": server.command[1:], "startup_s": round(server.startup_s, 2)}
-    try:
-        backend = OpenAIBackend(openai_cfg, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
-                                server=server)
-        fingerprint = served_fingerprint(cfg, tokenizer, openai_cfg)
-    except BaseException:
-        if server is not None:
-            server.close()
-        raise
-    generation.setdefault("served_model", backend.model)
-    generation["base_url"] = backend.base_url
+    backend, fingerprint, specific = backends.module(name).make(cfg, info)
+    generation.update(specific)
     return backend, fingerprint, generation
-
-
-def start_llama_server(cfg: EagletConfig, info: RankInfo):
-    from pipeline.regen.llama_server import LlamaServer, binary_path, find_binary
-    from pipeline.target import resolve_source
-
-    kind, gguf = resolve_source(cfg.target)
-    if kind != "gguf":
-        raise ValueError(f"regen.backend=llamacpp serves a GGUF target; target {cfg.target.name} is a {kind} "
-                         f"({cfg.target.path}): use regen.backend=hf")
-    binary = find_binary(cfg.regen.llamacpp, cfg.target)
-    if binary is None:
-        raise FileNotFoundError(f"no llama-server executable at {binary_path(cfg.regen.llamacpp, cfg.target)}: "
-                                "build it with `make llama-server` (or set regen.llamacpp.binary), or use "
-                                "regen.backend=hf")
-    from transformers import AutoConfig
-
-    from pipeline.target import materialize
-
-    hf_config = AutoConfig.from_pretrained(materialize(cfg.target)[0], revision=cfg.target.revision)
-    return LlamaServer(binary, Path(gguf), cfg.regen.llamacpp,
-                       cfg.stage_dir("regen") / f"llama-server.rank{info.rank}.log",
-                       max_seq=getattr(hf_config, "max_position_embeddings", None) or 4096)
-
-
-def served_fingerprint(cfg: EagletConfig, tokenizer, served) -> dict:
-    """`compute_fingerprint`'s fields for the configured target (what the served model must be), from its config
-    and tokenizer only: the weights that generate are on the server, so `weights_digest` is None rather than a
-    digest of local weights that did not generate."""
-    from transformers import AutoConfig
-
-    from pipeline.target import compute_fingerprint, materialize
-
-    location, source = materialize(cfg.target)
-    hf_config = AutoConfig.from_pretrained(location, revision=cfg.target.revision)
-    return {**compute_fingerprint(hf_config, tokenizer, cfg.target, source, weights=None),
-            "served": {"base_url": served.base_url, "model": served.model}}
 
 
 def run_rank(out: RegenDir, plan: Plan, items: list[RegenItem], backend, rcfg: RegenConfig, info: RankInfo) -> dict:

@@ -1,0 +1,49 @@
+"""Regen backends: every engine regen can answer through, registered here and nowhere else.
+
+An entry names the module that implements the backend. Each such module defines
+    unavailable(cfg: EagletConfig) -> Optional[str]   None when it can serve the configured target on this
+                                                     machine, else a one-line reason (not installed, ...)
+    make(cfg: EagletConfig, info: RankInfo) -> (backend, target fingerprint, generation parameters)
+    version() -> Optional[str]                       the engine's version, None when it is not installed
+and its backend object follows `waves.Backend`. `regen.backend` takes the names below (or `auto`), and
+`regen.backend=auto` takes the first available backend of `AUTO_ORDER` for the device, fastest first as
+measured by bench/bench_stages.py (docs/results/ "Speed of every stage").
+
+This module imports nothing heavy: the config imports it for the list of names.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Entry:
+    module: str
+    what: str
+
+
+BACKENDS: dict[str, Entry] = {
+    "hf": Entry("pipeline.regen.hf_backend", "in-process transformers generate, one padded batch per wave"),
+    "llamacpp": Entry("pipeline.regen.llamacpp_backend",
+                      "a llama.cpp server regen starts itself on the target's GGUF (CPU)"),
+    "openai": Entry("pipeline.regen.openai_backend",
+                    "OpenAI-compatible servers you run (vLLM, SGLang, llama.cpp): regen.openai.base_url"),
+}
+
+# Fastest first, per device kind (bench/results/stages.json); a backend that is unavailable is skipped.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cpu": ("llamacpp", "hf"),
+    "cuda": ("hf",),
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(BACKENDS)
+
+
+def module(name: str) -> ModuleType:
+    if name not in BACKENDS:
+        raise ValueError(f"regen.backend={name!r}: choose one of auto, {', '.join(BACKENDS)}")
+    return importlib.import_module(BACKENDS[name].module)

@@ -1,0 +1,86 @@
+"""`regen.backend=llamacpp`: a llama.cpp server that regen starts on the target's GGUF (llama_server.py),
+answered through the OpenAI-compatible HTTP client (openai_backend.py) with one conversation per slot."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+from pipeline.regen.openai_backend import OpenAIBackend, refuse_own_template, served_fingerprint, served_tokenizer
+
+
+def unavailable(cfg) -> Optional[str]:
+    from pipeline.regen.llama_server import binary_path, find_binary
+    from pipeline.target import resolve_device, resolve_source
+
+    if cfg.target.chat_template:
+        return "the server renders chats with the GGUF's template, not target.chat_template"
+    if resolve_device(cfg.target.device).type != "cpu":
+        return "llama-server is built for the CPU here"
+    if resolve_source(cfg.target)[0] != "gguf":
+        return f"target {cfg.target.name} is not a GGUF"
+    if find_binary(cfg.regen.llamacpp, cfg.target) is None:
+        return f"no llama-server at {binary_path(cfg.regen.llamacpp, cfg.target)} (make llama-server)"
+    return None
+
+
+def version(cfg=None) -> Optional[str]:
+    from pipeline.regen.config import LlamaCppConfig
+    from pipeline.regen.llama_server import find_binary
+    from pipeline.target import TargetConfig
+
+    binary = find_binary(cfg.regen.llamacpp if cfg else LlamaCppConfig(), cfg.target if cfg else TargetConfig())
+    if binary is None:
+        return None
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    line = next((x for x in (out.stdout + out.stderr).splitlines() if x.startswith("version")), "")
+    return line.removeprefix("version:").strip() or None
+
+
+def make(cfg, info):
+    from pipeline.target import resolve_source
+
+    rcfg = cfg.regen
+    refuse_own_template(cfg, "llamacpp")
+    tokenizer = served_tokenizer(cfg)
+    # The GGUF names the served model (what the server's /models lists varies with its version).
+    generation = {"served_model": Path(resolve_source(cfg.target)[1]).name}
+    if rcfg.finalize_partial:  # writes a manifest only: nothing to serve
+        generation["base_url"] = ""
+        served = dataclasses.replace(rcfg.openai, base_url="", model="default")
+        return None, served_fingerprint(cfg, tokenizer, served), generation
+    server = start_server(cfg, info)
+    try:
+        served = dataclasses.replace(rcfg.openai, base_url=server.base_url, model="default",
+                                     concurrency=rcfg.llamacpp.slots, timeout_s=rcfg.llamacpp.timeout_s)
+        backend = OpenAIBackend(served, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
+                                server=server)
+        fingerprint = served_fingerprint(cfg, tokenizer, served)
+    except BaseException:
+        server.close()
+        raise
+    generation["server"] = {"command": server.command[1:], "startup_s": round(server.startup_s, 2)}
+    generation["base_url"] = backend.base_url
+    return backend, fingerprint, generation
+
+
+def start_server(cfg, info):
+    from transformers import AutoConfig
+
+    from pipeline.regen.llama_server import LlamaServer, binary_path, find_binary
+    from pipeline.target import materialize, resolve_source
+
+    kind, gguf = resolve_source(cfg.target)
+    if kind != "gguf":
+        raise ValueError(f"regen.backend=llamacpp serves a GGUF target; target {cfg.target.name} is a {kind} "
+                         f"({cfg.target.path}): use regen.backend=hf")
+    binary = find_binary(cfg.regen.llamacpp, cfg.target)
+    if binary is None:
+        raise FileNotFoundError(f"no llama-server executable at {binary_path(cfg.regen.llamacpp, cfg.target)}: "
+                                "build it with `make llama-server` (or set regen.llamacpp.binary), or use "
+                                "regen.backend=hf")
+    hf_config = AutoConfig.from_pretrained(materialize(cfg.target)[0], revision=cfg.target.revision)
+    return LlamaServer(binary, Path(gguf), cfg.regen.llamacpp,
+                       cfg.stage_dir("regen") / f"llama-server.rank{info.rank}.log",
+                       max_seq=getattr(hf_config, "max_position_embeddings", None) or 4096)
