@@ -21,15 +21,25 @@ Requirements on the template (checked, `ChatTemplateError` otherwise): it must b
 prefix of the conversation gives a prefix of the full text, so training and regen/eval prompts agree), and it
 must honour `add_generation_prompt`. Text in messages that spells a special token (e.g. a literal
 "<|im_end|>") is tokenized as that special token, as `apply_chat_template` and serving engines do.
+
+Thinking mode (`regen.thinking`, `ThinkingMode`): templates with a reasoning switch (Qwen3's `enable_thinking`)
+render another generation prompt per mode (off: an empty `<think>\n\n</think>\n\n` block the model answers
+after). `on`/`off` pass `enable_thinking=True/False` to the template (`template_kwargs`, also what a server
+request carries as `chat_template_kwargs`); `template` passes nothing, the template's own default. A template
+that renders the same either way ignores the switch, and `on`/`off` are refused for it (`check_thinking_template`).
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
 import jinja2
 
+from pipeline.choices import Choice
 from pipeline.data.config import Overlength
+
+log = logging.getLogger(__name__)
 
 # Probe content for finding the turn suffix: plain ASCII without whitespace, so `trim` and friends keep it.
 _PROBE_CONTENT = "EagletProbeContent"
@@ -37,6 +47,24 @@ _PROBE_CONTENT = "EagletProbeContent"
 
 class ChatTemplateError(ValueError):
     """The tokenizer's chat template cannot render this conversation, or breaks a requirement above."""
+
+
+class ThinkingMode(Choice):
+    """`regen.thinking`: the reasoning switch of the chat template, for every stage that renders chats."""
+    on = "on"  # enable_thinking=True: the model thinks before it answers
+    off = "off"  # enable_thinking=False (Qwen3: an empty think block in the generation prompt)
+    template = "template"  # pass nothing: the template's own default
+
+
+THINKING_KEY = "regen.thinking"
+
+
+def template_kwargs(thinking=ThinkingMode.template) -> dict:
+    """The extra chat-template variables of a thinking mode: {} for `template`, else {"enable_thinking": bool}.
+    Passed to `apply_chat_template` here, and as `chat_template_kwargs` in an OpenAI-server request body (vLLM,
+    SGLang and llama.cpp's server accept it)."""
+    thinking = ThinkingMode.parse(thinking, THINKING_KEY)
+    return {} if thinking == ThinkingMode.template else {"enable_thinking": thinking == ThinkingMode.on}
 
 
 class OverlengthError(ValueError):
@@ -57,7 +85,8 @@ class _TurnFormat:
     eot_chars: int  # leading characters of `suffix` the model generates, e.g. len("<|im_end|>")
 
 
-_TURN_FORMATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {template: _TurnFormat}
+_TURN_FORMATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(template, mode): _TurnFormat}
+_THINKING_SWITCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {template: honours it}
 
 
 def tokenize_conversation(
@@ -66,18 +95,21 @@ def tokenize_conversation(
     max_length: int | None = None,
     overlength: str = "truncate",
     system_prompt: str | None = None,
+    *,
+    thinking=ThinkingMode.template,
 ) -> TokenizedConversation | None:
     """Token ids of the whole conversation and the mask of assistant-generated tokens.
 
     `system_prompt` is inserted when the conversation has no system message (None: the template's default).
     Longer than `max_length`: `truncate` cuts ids and mask, `drop` returns None (the caller counts it),
     `error` raises `OverlengthError`. An assistant message that opens the conversation has no prompt the
-    target could have answered, so it stays unmasked context.
+    target could have answered, so it stays unmasked context. `thinking`: the template's reasoning switch
+    (`ThinkingMode`); what `off` adds to the generation prompt (an empty think block) is prompt, never masked.
     """
     overlength = Overlength.parse(overlength, "data.overlength")
     messages = _prepare(messages, system_prompt)
-    text = _render(tokenizer, messages, add_generation_prompt=False)
-    spans = _assistant_spans(tokenizer, messages, text)
+    text = _render(tokenizer, messages, add_generation_prompt=False, thinking=thinking)
+    spans = _assistant_spans(tokenizer, messages, text, thinking)
 
     enc = _encode(tokenizer, text, offsets=True)
     input_ids = list(enc["input_ids"])
@@ -93,13 +125,14 @@ def tokenize_conversation(
     return TokenizedConversation(input_ids, loss_mask, truncated, sum(loss_mask))
 
 
-def render_prompt(tokenizer, messages: list[dict], system_prompt: str | None = None) -> list[int]:
+def render_prompt(tokenizer, messages: list[dict], system_prompt: str | None = None, *,
+                  thinking=ThinkingMode.template) -> list[int]:
     """Ids of the conversation so far plus the generation prompt: what the target continues to produce the
-    next assistant turn (regen, eval). Same rendering and tokenization as `tokenize_conversation`, so these ids
-    are a prefix of the full conversation's ids once the turn is appended."""
+    next assistant turn (regen, eval). Same rendering and tokenization as `tokenize_conversation` (with the same
+    `thinking` mode), so these ids are a prefix of the full conversation's ids once the turn is appended."""
     messages = _prepare(messages, system_prompt)
-    _turn_format(tokenizer)  # rejects templates that ignore add_generation_prompt
-    text = _render(tokenizer, messages, add_generation_prompt=True)
+    _turn_format(tokenizer, thinking)  # rejects templates that ignore add_generation_prompt
+    text = _render(tokenizer, messages, add_generation_prompt=True, thinking=thinking)
     return list(_encode(tokenizer, text)["input_ids"])
 
 
@@ -116,11 +149,68 @@ def _prepare(messages: list[dict], system_prompt: str | None) -> list[dict]:
     return out
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def check_thinking_template(tokenizer, thinking) -> None:
+    """Refuses `on`/`off` for a template without a reasoning switch: one that renders a probe prompt and turn the
+    same with enable_thinking True and False ignores the flag, so the mode would mean nothing."""
+    if not template_kwargs(thinking):
+        return
     if tokenizer.chat_template is None:
         raise ChatTemplateError(f"{type(tokenizer).__name__} has no chat_template")
+    per_template = _THINKING_SWITCH.setdefault(tokenizer, {})
+    template = tokenizer.get_chat_template()
+    if template not in per_template:
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE_CONTENT}]
+
+        def rendered(flag: bool) -> tuple[str, str]:
+            try:
+                return tuple(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=g,
+                                                           enable_thinking=flag)
+                             for m, g in ((probe[:1], True), (probe, False)))
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"chat template failed: {e}") from e
+        per_template[template] = rendered(True) != rendered(False)
+    if not per_template[template]:
+        raise ChatTemplateError(f"{THINKING_KEY}={ThinkingMode.parse(thinking, THINKING_KEY)}: this chat template "
+                                f"ignores enable_thinking (it renders the same with it on and off), so it has no "
+                                f"thinking mode to set; use {THINKING_KEY}=template")
+
+
+def thinking_of(manifest: dict) -> ThinkingMode:
+    """The thinking mode a stage's output was made with: a regen manifest records it in `generation`, dump and
+    train manifests at the top; absent (outputs of older versions, or `template` in regen) = `template`."""
+    value = manifest.get("thinking", (manifest.get("generation") or {}).get("thinking", ThinkingMode.template))
+    return ThinkingMode.parse(value, THINKING_KEY)
+
+
+def check_thinking(configured, manifest: dict, manifest_path, allow_key: str | None = None,
+                   allow: bool = False) -> ThinkingMode:
+    """Refuses an input made under another thinking mode than `configured` (a head trained on answers after an
+    empty think block drafts poorly for a model that thinks, and the other way round), in one line naming both
+    modes and the setting; `allow` (the `allow_key` setting) lets an eval measure exactly that, logged."""
+    configured = ThinkingMode.parse(configured, THINKING_KEY)
+    recorded = thinking_of(manifest)
+    if configured != recorded:
+        if allow:
+            log.warning("%s was made with %s=%s; rendering with %s=%s on purpose (%s)", manifest_path, THINKING_KEY,
+                        recorded, THINKING_KEY, configured, allow_key)
+            return configured
+        from pipeline.manifest import ManifestError
+
+        raise ManifestError(f"thinking mode mismatch: {manifest_path} was made with {THINKING_KEY}={recorded}, this "
+                            f"run renders with {THINKING_KEY}={configured}; set {THINKING_KEY}={recorded}"
+                            + (f" (or {allow_key}=true to measure the other mode on purpose)" if allow_key else ""))
+    return configured
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, thinking=ThinkingMode.template) -> str:
+    if tokenizer.chat_template is None:
+        raise ChatTemplateError(f"{type(tokenizer).__name__} has no chat_template")
+    extra = template_kwargs(thinking)
+    if extra:
+        check_thinking_template(tokenizer, thinking)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **extra)
     except jinja2.TemplateError as e:
         hint = ""
         if any(m["role"] == "system" for m in messages):
@@ -140,16 +230,19 @@ def _encode(tokenizer, text: str, offsets: bool = False):
     return tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
 
 
-def _turn_format(tokenizer) -> _TurnFormat:
+def _turn_format(tokenizer, thinking=ThinkingMode.template) -> _TurnFormat:
     """The suffix the template writes after an assistant content, and how much of it the model generates."""
     per_template = _TURN_FORMATS.setdefault(tokenizer, {})
-    template = tokenizer.get_chat_template()  # the default template's text, also for named-template dicts
-    if template in per_template:
-        return per_template[template]
+    thinking = ThinkingMode.parse(thinking, THINKING_KEY)
+    # The default template's text (also for named-template dicts), and the mode it renders in.
+    key = (tokenizer.get_chat_template(), thinking)
+    if key in per_template:
+        return per_template[key]
 
     user = [{"role": "user", "content": "Hi"}]
-    prompt = _render(tokenizer, user, add_generation_prompt=True)
-    turn = _render(tokenizer, user + [{"role": "assistant", "content": _PROBE_CONTENT}], add_generation_prompt=False)
+    prompt = _render(tokenizer, user, add_generation_prompt=True, thinking=thinking)
+    turn = _render(tokenizer, user + [{"role": "assistant", "content": _PROBE_CONTENT}], add_generation_prompt=False,
+                   thinking=thinking)
     if not turn.startswith(prompt) or _PROBE_CONTENT not in turn[len(prompt):]:
         raise ChatTemplateError(
             "chat template is not prefix-stable: an assistant turn does not extend its generation prompt"
@@ -158,7 +251,7 @@ def _turn_format(tokenizer) -> _TurnFormat:
     # for add_generation_prompt to add. One that ignores the flag but writes a header would leave the header
     # out of every generation prompt and inside the loss mask.
     header = turn[len(prompt):turn.index(_PROBE_CONTENT, len(prompt))]
-    if header.strip() and prompt == _render(tokenizer, user, add_generation_prompt=False):
+    if header.strip() and prompt == _render(tokenizer, user, add_generation_prompt=False, thinking=thinking):
         raise ChatTemplateError(f"chat template ignores add_generation_prompt but writes an assistant header "
                                 f"{header!r}: generation prompts would lack it")
     suffix = turn[turn.index(_PROBE_CONTENT, len(prompt)) + len(_PROBE_CONTENT):]
@@ -167,7 +260,7 @@ def _turn_format(tokenizer) -> _TurnFormat:
     special_ids = _special_ids(tokenizer)
     enc = _encode(tokenizer, suffix, offsets=True)
     eot_chars = next((end for i, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]) if i in special_ids), 0)
-    per_template[template] = fmt = _TurnFormat(suffix, eot_chars)
+    per_template[key] = fmt = _TurnFormat(suffix, eot_chars)
     return fmt
 
 
@@ -201,15 +294,16 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def _assistant_spans(tokenizer, messages: list[dict], text: str) -> list[tuple[int, int]]:
+def _assistant_spans(tokenizer, messages: list[dict], text: str, thinking=ThinkingMode.template
+                     ) -> list[tuple[int, int]]:
     """Character spans [start, end) of `text` the assistant generates, one per assistant turn."""
-    fmt = _turn_format(tokenizer)
+    fmt = _turn_format(tokenizer, thinking)
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant" or k == 0:
             continue
-        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True)
-        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False)
+        prompt = _render(tokenizer, messages[:k], add_generation_prompt=True, thinking=thinking)
+        upto = _render(tokenizer, messages[: k + 1], add_generation_prompt=False, thinking=thinking)
         if not (upto.startswith(prompt) and text.startswith(upto)):
             raise ChatTemplateError(
                 f"chat template is not prefix-stable at message {k}: the prompt for an assistant turn is not a "

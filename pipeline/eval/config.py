@@ -84,6 +84,9 @@ class EvalConfig:
     # Decode with a head trained under another chat template than target.chat_template gives: refused unless
     # set (the template experiment, docs/results.md; the vocabulary must still match).
     allow_template_mismatch: bool = False
+    # Decode with a head trained under another regen.thinking mode than this run's (the head's train manifest
+    # records it): refused unless set (measures what serving in the other mode costs).
+    allow_thinking_mismatch: bool = False
     # Moved to `tree` (MOVED); kept only to name the new key when an old override sets them.
     top_k: Optional[int] = None
     depth: Optional[int] = None

@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 import torch
 from tqdm import tqdm
 
-from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.data.chat import ThinkingMode, render_prompt, stop_token_ids
 from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.eval.decoder import GenerationResult, generate, mean_accepted_tokens, vanilla_generate
 from pipeline.eval.drafter import Drafter
@@ -51,12 +51,14 @@ class TurnRecord:
 
 def answer_questions(target, drafter: Drafter, questions: Iterable[Question], cfg: EvalConfig, tree: TreeConfig,
                      system_prompt: Optional[str] = None, progress=None,
-                     deadline: Optional[float] = None, fp32_model=None, agree=None) -> list[TurnRecord]:
+                     deadline: Optional[float] = None, fp32_model=None, agree=None,
+                     thinking=ThinkingMode.template) -> list[TurnRecord]:
     """Answer every question (all its turns) with the tree decoder and `drafter`, plus the vanilla baseline on the first
     `cfg.baseline_limit` questions (also with `fp32_model`, an fp32 copy of the target, when given).
     `progress` (EvalProgress) supplies finished questions and records new
     ones; once a question ends past `deadline` (time.monotonic()) no new one starts: the result may be partial.
-    `agree` (a tensor-parallel target's ranks, TargetLayout.agree) makes that call the first rank's on all."""
+    `agree` (a tensor-parallel target's ranks, TargetLayout.agree) makes that call the first rank's on all.
+    `thinking`: the chat template's mode the prompts are rendered in (regen.thinking)."""
     model, tokenizer = target.model, target.tokenizer
     eos = set(stop_token_ids(tokenizer, model))
     done = progress.done if progress is not None else {}
@@ -70,7 +72,7 @@ def answer_questions(target, drafter: Drafter, questions: Iterable[Question], cf
             continue
         with_baseline = cfg.baseline and (cfg.baseline_limit is None or qi < cfg.baseline_limit)
         q_records = _answer(model, tokenizer, drafter, q, qi, cfg, tree, eos, system_prompt, with_baseline, bar,
-                            fp32_model)
+                            fp32_model, thinking=thinking)
         records.extend(q_records)
         if progress is not None:
             progress.append(q.id, q_records)
@@ -87,13 +89,14 @@ def system_messages(q: Question) -> list[dict]:
 
 
 def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, tree: TreeConfig, eos: set[int],
-            system_prompt: Optional[str], with_baseline: bool, bar, fp32_model=None) -> list[TurnRecord]:
+            system_prompt: Optional[str], with_baseline: bool, bar, fp32_model=None,
+            thinking=ThinkingMode.template) -> list[TurnRecord]:
     """All turns of one question; later turns see the speculative answers as history."""
     messages = system_messages(q)
     records = []
     for ti, user in enumerate(q.turns):
         messages.append({"role": "user", "content": user})
-        prompt = torch.tensor(render_prompt(tokenizer, messages, system_prompt=system_prompt))
+        prompt = torch.tensor(render_prompt(tokenizer, messages, system_prompt=system_prompt, thinking=thinking))
         # One seed per (question, turn): sampling runs are reproducible and independent of order.
         seed = cfg.seed * 1_000_003 + qi * 101 + ti
         spec = generate(model, drafter, prompt, cfg.max_new_tokens, temperature=cfg.temperature,

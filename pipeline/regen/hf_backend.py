@@ -12,7 +12,7 @@ from typing import Union
 
 import torch
 
-from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.data.chat import ThinkingMode, check_thinking_template, render_prompt, stop_token_ids
 from pipeline.regen.batching import RegenItem, derive_seed
 from pipeline.regen.config import HFGenerateConfig
 from pipeline.regen.waves import Answer, Failure, Request
@@ -38,10 +38,12 @@ class HFBackend:
     concurrency = 0  # one padded batch per wave (waves.py)
 
     def __init__(self, target: Target, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 options: HFGenerateConfig | None = None):
+                 options: HFGenerateConfig | None = None, thinking=ThinkingMode.template):
         if max_new_tokens < 1:
             raise ValueError(f"regen.max_new_tokens must be >= 1, got {max_new_tokens}")
         self.model, self.tokenizer, self.device = target.model, target.tokenizer, target.device
+        self.thinking = ThinkingMode.parse(thinking, "regen.thinking")
+        check_thinking_template(self.tokenizer, self.thinking)  # on/off need a template with the switch
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -62,7 +64,7 @@ class HFBackend:
             self.generate_kwargs["disable_compile"] = True  # HF would otherwise compile a static cache on GPU
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return render_prompt(self.tokenizer, messages)
+        return render_prompt(self.tokenizer, messages, thinking=self.thinking)
 
     def prompt_length(self, item: RegenItem) -> int:
         return len(self.prompt_ids(item.first_prompt()))
