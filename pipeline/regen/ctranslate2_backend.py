@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from pipeline.data.chat import render_prompt
+from pipeline.data.chat import ThinkingMode, check_thinking_template, render_prompt
 from pipeline.regen.batching import RegenItem, derive_seed
 from pipeline.regen.waves import Answer, Failure, Request
 
@@ -109,7 +109,8 @@ def make(cfg, info):
             *[a.replace("{target}", files.location) for a in command[1:]]]
     convert_s = convert_once(out, argv, settings)
     backend = CTranslate2Backend(str(out), files.tokenizer, files.stop_ids, rcfg.max_new_tokens, rcfg.temperature,
-                                 rcfg.top_p, options, _device(cfg, options), files.max_positions)
+                                 rcfg.top_p, options, _device(cfg, options), files.max_positions,
+                                 thinking=getattr(rcfg, "thinking", ThinkingMode.template))
     # The backend-specific keys; run.py adds the common ones (backend, max_new_tokens, temperature, ...).
     generation = {"stop_token_ids": files.stop_ids, "precision": options.compute_type,
                   "engine": {"name": "ctranslate2", "version": version(), "compute_type": options.compute_type,
@@ -127,7 +128,7 @@ class CTranslate2Backend:
 
     def __init__(self, model_dir: str, tokenizer, stop_ids: list[int], max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, options: Optional[CTranslate2Config] = None,
-                 device: str = "cpu", max_positions: Optional[int] = None):
+                 device: str = "cpu", max_positions: Optional[int] = None, thinking=ThinkingMode.template):
         import ctranslate2
 
         from pipeline.regen.converted import default_threads
@@ -137,6 +138,8 @@ class CTranslate2Backend:
         options = options or CTranslate2Config()
         self.tokenizer, self.stop_ids, self.max_new_tokens = tokenizer, list(stop_ids), max_new_tokens
         self.temperature, self.top_p, self.max_positions = temperature, top_p, max_positions
+        self.thinking = ThinkingMode.parse(thinking, "regen.thinking")
+        check_thinking_template(tokenizer, self.thinking)  # on/off need a template with the switch
         self.max_batch_size, self.device = options.max_batch_size, device
         self.threads = options.threads or default_threads()
         self.generator = ctranslate2.Generator(model_dir, device=device, compute_type=options.compute_type,
@@ -148,7 +151,7 @@ class CTranslate2Backend:
             self.sampling = dict(sampling_topk=1)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return render_prompt(self.tokenizer, messages)
+        return render_prompt(self.tokenizer, messages, thinking=self.thinking)
 
     def prompt_length(self, item: RegenItem) -> int:
         return len(self.prompt_ids(item.first_prompt()))

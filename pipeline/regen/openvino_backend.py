@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from pipeline.data.chat import render_prompt
+from pipeline.data.chat import ThinkingMode, check_thinking_template, render_prompt
 from pipeline.regen.batching import RegenItem
 from pipeline.regen.waves import Answer, Failure, Request
 
@@ -149,7 +149,8 @@ def make(cfg, info):
     env.setdefault("OMP_NUM_THREADS", str(options.threads or 2))
     convert_s = convert_once(out, argv, settings, env=env)
     backend = OpenVINOBackend(str(out), files.tokenizer, files.stop_ids, rcfg.max_new_tokens, rcfg.temperature,
-                              rcfg.top_p, options, files.max_positions)
+                              rcfg.top_p, options, files.max_positions,
+                              thinking=getattr(rcfg, "thinking", ThinkingMode.template))
     # The backend-specific keys; run.py adds the common ones (backend, max_new_tokens, temperature, ...).
     generation = {"stop_token_ids": files.stop_ids, "precision": PRECISIONS[options.precision],
                   "engine": {"name": "openvino-genai", "version": version(), **settings,
@@ -171,7 +172,7 @@ class OpenVINOBackend:
 
     def __init__(self, model_dir: str, tokenizer, stop_ids: list[int], max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, options: Optional[OpenVINOConfig] = None,
-                 max_positions: Optional[int] = None):
+                 max_positions: Optional[int] = None, thinking=ThinkingMode.template):
         import openvino_genai as genai
 
         from pipeline.regen.converted import default_threads
@@ -181,6 +182,8 @@ class OpenVINOBackend:
         options = options or OpenVINOConfig()
         self.tokenizer, self.stop_ids, self.max_new_tokens = tokenizer, list(stop_ids), max_new_tokens
         self.temperature, self.top_p, self.max_positions = temperature, top_p, max_positions
+        self.thinking = ThinkingMode.parse(thinking, "regen.thinking")
+        check_thinking_template(tokenizer, self.thinking)  # on/off need a template with the switch
         self.concurrency = max(0, options.concurrency)
         self.threads = options.threads or default_threads()
         scheduler = genai.SchedulerConfig()
@@ -274,7 +277,7 @@ class OpenVINOBackend:
     # -- the Backend protocol ---------------------------------------------------------------------------
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return render_prompt(self.tokenizer, messages)
+        return render_prompt(self.tokenizer, messages, thinking=self.thinking)
 
     def prompt_length(self, item: RegenItem) -> int:
         return len(self.prompt_ids(item.first_prompt()))
