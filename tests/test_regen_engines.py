@@ -152,3 +152,13 @@ def test_openvino_without_a_converter_environment_says_how_to_make_one(tmp_path,
     cfg = _cfg(tmp_path, tiny_model_dir, "openvino", tmp_path / "empty", converter_python=str(tmp_path / "none"))
     reason = importlib.import_module("pipeline.regen.openvino_backend").unavailable(cfg)
     assert reason is not None and "optimum-intel" in reason
+
+
+def test_ctranslate2_groups_a_wave_by_prompt_length():
+    """CTranslate2 forwards prompt tokens past a batch's shortest prompt one step at a time: a wave is split."""
+    from types import SimpleNamespace
+
+    from pipeline.regen.ctranslate2_backend import CTranslate2Backend
+
+    groups = CTranslate2Backend._groups(SimpleNamespace(length_spread=10), [(5, 0), (562, 1), (12, 2), (15, 3)])
+    assert groups == [[0, 2, 3], [1]]
