@@ -50,8 +50,7 @@ import torch  # noqa: E402
 
 from pipeline.config import EagletConfig  # noqa: E402
 from pipeline.data.config import DataConfig  # noqa: E402
-from pipeline.regen import run as regen_run  # noqa: E402
-from pipeline.regen.config import HFGenerateConfig, LlamaCppConfig, RegenConfig  # noqa: E402
+from pipeline.regen.config import LlamaCppConfig, RegenConfig  # noqa: E402
 from pipeline.regen.llama_server import binary_path  # noqa: E402
 from pipeline.regen.shards import regen_sources  # noqa: E402
 from pipeline.target import TargetConfig  # noqa: E402
@@ -61,27 +60,61 @@ SHARED = REPO.parent / "shared" / "data"
 WORKLOAD = SHARED / "sharegpt_sg92k_sample1000" / "sharegpt_1000.json"
 
 
-def regen_once(work: Path, name: str, conversations: int, max_new_tokens: int, batch: int,
-               target: TargetConfig, llamacpp: LlamaCppConfig | None = None,
-               hf: HFGenerateConfig | None = None) -> dict:
-    cfg = EagletConfig(
-        name=name, output_root=str(work), target=target,
-        data=DataConfig(sources=[{"path": str(WORKLOAD), "format": "sharegpt", "limit": conversations}]),
-        regen=RegenConfig(backend="llamacpp" if llamacpp else "hf", batch_size=batch, batches_per_shard=1,
-                          max_new_tokens=max_new_tokens, progress=False, hf=hf or HFGenerateConfig(),
-                          **({"llamacpp": llamacpp} if llamacpp else {})))
+# Each engine row: the regen backend (pipeline/regen/backends.py) and the overrides that make it this engine.
+ENGINES: dict[str, tuple[str, list[str]]] = {
+    "hf-fp32": ("hf", ["target.dtype=float32"]),
+    "hf-bf16": ("hf", ["target.dtype=bfloat16"]),
+    "hf-bf16-static-compile": ("hf", ["target.dtype=bfloat16", "regen.hf.cache=static", "regen.hf.compile=true"]),
+    "llama.cpp": ("llamacpp", ["target.dtype=float32"]),
+    "vllm": ("vllm", []),
+    "openvino": ("openvino", []),
+    "ctranslate2": ("ctranslate2", []),
+}
+
+
+def regen_once(work: Path, name: str, args, batch: int) -> dict:
+    """One engine's real regen stage in its own process (`python -m pipeline.run stage=regen`), so its peak
+    RSS is its own; a finished run in --work is reused, so a long bench resumes. An engine that is not
+    installed, or whose run fails, gives its exact error instead of figures."""
+    from pipeline.regen import backends
+
+    backend, overrides = ENGINES[name]
+    overrides = [f"regen.backend={backend}", *overrides]
+    if backend == "llamacpp":
+        overrides += [f"regen.llamacpp.binary={args.llama_server}", f"regen.llamacpp.slots={args.slots}",
+                      f"regen.llamacpp.ctx_per_slot={args.ctx_per_slot}", f"regen.llamacpp.threads={args.threads}"]
+    overrides += [o for o in args.engine_option if o.startswith(f"regen.{backend}.")]
+    cfg = EagletConfig(name=name, output_root=str(work), regen=RegenConfig(backend=backend))
+    module = backends.module(backend)
+    row = {"backend": backend, "version": module.version(), "overrides": overrides}
     done = cfg.stage_dir("regen") / "manifest.json"
-    t0 = time.perf_counter()
-    if not done.is_file():  # a finished engine run in --work is reused, so a long bench resumes
-        regen_run.main(cfg)
-    wall = time.perf_counter() - t0
+    if not done.is_file():
+        reason = module.unavailable(dataclasses.replace(cfg, target=TargetConfig(device="cpu")))
+        if reason is not None and backend != "hf":
+            return {**row, "error": f"unavailable: {reason}"}
+        command = [sys.executable, "-m", "pipeline.run", "stage=regen", f"name={name}", f"output_root={work}",
+                   f"data.sources=[{{path: '{WORKLOAD}', format: sharegpt, limit: {args.conversations}}}]",
+                   f"regen.batch_size={batch}", "regen.batches_per_shard=1",
+                   f"regen.max_new_tokens={args.max_new_tokens}", "regen.progress=false", *overrides]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        log_path = work / f"{name}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0 or not done.is_file():
+            lines = [x for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
+            error = next((x for x in reversed(lines) if "Error" in x or x.startswith("eaglet:")), lines[-1] if lines
+                         else f"exit code {proc.returncode}")
+            return {**row, "error": error.strip()[:500], "log": str(log_path)}
     manifest = json.loads(done.read_text())
-    wall = max(wall, manifest["timings"]["wall_s"])
-    gen_s = manifest["timings"]["generation_s"]
+    timings, generation = manifest["timings"], manifest.get("generation", {})
+    gen_s = timings["generation_s"]
     tokens = manifest["counts"]["tokens_generated"]
-    return {"tokens": tokens, "generation_s": gen_s, "tokens_per_s": tokens / gen_s, "wall_s": wall,
-            "startup_s": wall - gen_s, "turns": manifest["counts"].get("turns"),
-            "answers": answers(cfg.stage_dir("regen"))}
+    rss = [timings.get("peak_rss_mb"), timings.get("server_peak_rss_mb")]
+    return {**row, "tokens": tokens, "generation_s": gen_s, "tokens_per_s": tokens / gen_s,
+            "wall_s": timings["wall_s"], "startup_s": timings["wall_s"] - gen_s,
+            "server_startup_s": (generation.get("server") or {}).get("startup_s"),
+            "peak_rss_mb": sum(r for r in rss if r) or None, "turns": manifest["counts"].get("turns"),
+            "precision": generation.get("precision"), "answers": answers(cfg.stage_dir("regen"))}
 
 
 def answers(regen_dir: Path) -> dict[str, list[str]]:
@@ -107,35 +140,29 @@ def agreement(base: dict[str, list[str]], other: dict[str, list[str]]) -> dict:
 
 
 def bench_regen(args, work: Path) -> dict:
-    """Each engine once, fastest first (a long bench interrupted keeps its finished engines in --work)."""
+    """Each engine once; every row is compared with hf-fp32's answers (the reference, always run)."""
     rows = {}
-    cfg32 = TargetConfig(dtype="float32")
-    if args.llama_server and "llama.cpp" in args.engines:
-        # regen's own managed server (regen.backend=llamacpp): one batch, conversations enter the slots as
-        # others finish (per-conversation schedule). Requests ask temperature 0 (llama.cpp then samples
-        # greedily: argmax, no other sampler) and top_p 1; repeat_penalty stays at the server's 1.0 (off).
-        llamacpp = LlamaCppConfig(binary=args.llama_server, slots=args.slots, ctx_per_slot=args.ctx_per_slot,
-                                  threads=args.threads)
-        row = regen_once(work, "llama.cpp", args.conversations, args.max_new_tokens, args.conversations, cfg32,
-                         llamacpp)
-        row.update(slots=args.slots, request_sampling={"temperature": 0.0, "top_p": 1.0})
-        rows["llama.cpp"] = row
-    if "hf-bf16" in args.engines:
-        rows["hf-bf16"] = regen_once(work, "hf-bf16", args.conversations, args.max_new_tokens, args.hf_batch,
-                                     TargetConfig(dtype="bfloat16"))
-    if "hf-bf16-static-compile" in args.engines:
-        rows["hf-bf16-static-compile"] = regen_once(
-            work, "hf-bf16-static-compile", args.conversations, args.max_new_tokens, args.hf_batch,
-            TargetConfig(dtype="bfloat16"), hf=HFGenerateConfig(cache="static", compile=True))
-    rows["hf-fp32"] = regen_once(work, "hf-fp32", args.conversations, args.max_new_tokens, args.hf_batch, cfg32)
+    for name in [e for e in ENGINES if e in args.engines and e != "hf-fp32"] + ["hf-fp32"]:
+        # Servers take every conversation at once (they stream through the slots); hf generates padded batches.
+        batch = args.hf_batch if ENGINES[name][0] == "hf" else args.conversations
+        rows[name] = regen_once(work, name, args, batch)
+        print(f"regen {name}: " + (rows[name].get("error") or f"{rows[name]['tokens_per_s']:.1f} tokens/s"),
+              flush=True)
     base = rows["hf-fp32"]
+    if "error" in base:
+        raise SystemExit(f"the hf-fp32 reference failed: {base['error']}")
     for name, row in rows.items():
+        if "error" in row:
+            continue
         row["ratio_to_hf_fp32"] = row["tokens_per_s"] / base["tokens_per_s"]
         if name != "hf-fp32":
-            row["agreement_with_hf_fp32"] = agreement(base["answers"], row["answers"])
+            agree = agreement(base["answers"], row["answers"])
+            row.update(identical=agree["identical_share"], mean_common_prefix=agree["mean_common_prefix_chars"],
+                       first_turns_compared=agree["first_turns_compared"])
     for row in rows.values():
-        row.pop("answers")
-    best = max(rows, key=lambda n: rows[n]["tokens_per_s"])
+        row.pop("answers", None)
+    measured = [n for n in rows if "error" not in rows[n]]
+    best = max(measured, key=lambda n: rows[n]["tokens_per_s"])
     return {"workload": {"source": str(WORKLOAD.relative_to(REPO.parent)), "conversations": args.conversations,
                          "max_new_tokens": args.max_new_tokens, "temperature": 0},
             "baseline": {"name": "hf-fp32", "tokens_per_s": base["tokens_per_s"]},
@@ -325,8 +352,10 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)  # 128 conversations: the longest chain bounds the run
     ap.add_argument("--ctx-per-slot", type=int, default=8192)  # the model's context: no conversation refused
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default="hf-fp32,hf-bf16,hf-bf16-static-compile,llama.cpp",
-                    help="comma-separated; hf-fp32, the baseline, always runs")
+    ap.add_argument("--engines", default="hf-fp32,llama.cpp,vllm,openvino,ctranslate2",
+                    help=f"comma-separated, of {', '.join(ENGINES)}; hf-fp32, the reference, always runs")
+    ap.add_argument("--engine-option", action="append", default=[],
+                    help="a regen.<backend>.<option>=<value> override for that engine's runs (repeatable)")
     ap.add_argument("--stages", default="regen,dump,train,eval")
     ap.add_argument("--dump-conversations", type=int, default=48)
     ap.add_argument("--train-steps", type=int, default=20)
@@ -339,10 +368,9 @@ def main() -> None:
     if args.read:
         return read_child(args.read)
     torch.set_num_threads(args.threads)
-    if args.llama_server and not Path(args.llama_server).is_file():
-        print(f"no llama-server at {args.llama_server} (make llama-server); measuring the hf engines only")
-        args.llama_server = None
     args.engines = set(args.engines.split(","))
+    if unknown := args.engines - set(ENGINES):
+        ap.error(f"--engines: unknown {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     stages = args.stages.split(",")
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.is_file() else {}  # stages not rerun keep their figures

@@ -98,8 +98,9 @@ class EagletConfig:
         lookup = (f"-ngram{e.lookup.min_ngram}to{e.lookup.max_ngram}" if e.drafter == "prompt_lookup" else "")
         depth, total = ("auto" if v == -1 else v for v in (t.depth, t.total_tokens))
         template = f"-tpl-{template_label(self.target.chat_template)}" if self.target.chat_template else ""
+        thinking = f"-think-{self.regen.thinking}" if self.regen.thinking != "template" else ""
         return (f"{stem}{limit}-T{e.temperature:g}-m{e.max_new_tokens}-{self.target_precision}"
-                f"-tree{t.top_k}x{depth}x{total}{lookup}{template}")
+                f"-tree{t.top_k}x{depth}x{total}{lookup}{template}{thinking}")
 
     @property
     def target_precision(self) -> str:

@@ -10,7 +10,7 @@ import time
 import torch
 
 from pipeline.data.bad_records import BadRecordReport
-from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.data.chat import check_thinking, render_prompt, stop_token_ids
 from pipeline.dist import TargetLayout, head_target, rank_info, rank_target_config, target_layout
 from pipeline.eval.autotree import choose_tree
 from pipeline.eval.drafter import lockstep, make_drafter
@@ -48,6 +48,9 @@ def build_drafter(cfg, target):
     # Refuses a head trained on another target (or chat template, unless allowed on purpose).
     head = load_head(train_dir, head_target(target, cfg.target),
                      allow_template_mismatch=cfg.eval.allow_template_mismatch)
+    # The prompts are rendered with regen.thinking: it must be the mode the head's rows were rendered in.
+    check_thinking(cfg.regen.thinking, train_manifest, train_dir / MANIFEST, "eval.allow_thinking_mismatch",
+                   cfg.eval.allow_thinking_mismatch)
     info = {"name": cfg.head.name, "kind": head.config.kind,
             "train_manifest_code_version": train_manifest.get("code_version"), "config": head.config.to_dict()}
     return make_drafter(head), info, [train_dir]
@@ -64,8 +67,8 @@ def tree_choice(cfg, target, drafter, questions, out_dir, resumed: bool, layout:
         return kept
     t = cfg.tree
     first_turns = [system_messages(q) + [{"role": "user", "content": q.turns[0]}] for q in questions[:t.auto_prompts]]
-    prompts = [torch.tensor(render_prompt(target.tokenizer, m, system_prompt=cfg.data.system_prompt))
-               for m in first_turns]
+    prompts = [torch.tensor(render_prompt(target.tokenizer, m, system_prompt=cfg.data.system_prompt,
+                                          thinking=cfg.regen.thinking)) for m in first_turns]
     choice = choose_tree(target.model, drafter, prompts, t.top_k, t.depth, t.total_tokens, t.max_depth,
                          t.max_total_tokens, t.auto_max_new_tokens,
                          set(stop_token_ids(target.tokenizer, target.model))).as_dict()
@@ -102,7 +105,8 @@ def main(cfg) -> dict:
                 "temperature": cfg.eval.temperature, "max_new_tokens": cfg.eval.max_new_tokens,
                 "device": str(target.device), "dtype": target.precision,
                 "questions": cfg.eval.questions or "demo", "head": cfg.eval_subject,
-                **({"chat_template": cfg.target.chat_template} if cfg.target.chat_template else {})}
+                **({"chat_template": cfg.target.chat_template} if cfg.target.chat_template else {}),
+                **({"thinking": str(cfg.regen.thinking)} if cfg.regen.thinking != "template" else {})}
     identity = {"settings": settings, "seed": cfg.eval.seed, "baseline": cfg.eval.baseline,
                 "baseline_limit": cfg.eval.baseline_limit, "system_prompt": cfg.data.system_prompt,
                 **({"head_manifest_sha256": digest_file(inputs[0] / MANIFEST)} if inputs else
@@ -121,7 +125,8 @@ def main(cfg) -> dict:
         tree = dataclasses.replace(cfg.tree, depth=choice["depth"], total_tokens=choice["total_tokens"])
     deadline = None if cfg.eval.time_budget_s is None else time.monotonic() + cfg.eval.time_budget_s
     records = answer_questions(target, drafter, questions, cfg.eval, tree,
-                               system_prompt=cfg.data.system_prompt, progress=progress, deadline=deadline,
+                               system_prompt=cfg.data.system_prompt, thinking=cfg.regen.thinking,
+                               progress=progress, deadline=deadline,
                                fp32_model=fp32_baseline_model(cfg, target), agree=layout.agree)
     # A draft path holds up to depth + 1 tokens (EAGLE's round 0 plus `depth` expansions): report every level.
     summary = summarize(records, settings, tree.depth + 1)

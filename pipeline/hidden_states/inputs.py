@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from pipeline.data.bad_records import BadRecordReport
-from pipeline.data.chat import tokenize_conversation
+from pipeline.data.chat import ThinkingMode, check_thinking, tokenize_conversation
 from pipeline.data.readers import read_source, read_sources
 from pipeline.hidden_states.config import DumpInput
 from pipeline.hidden_states.plan import TokenizedSample
@@ -25,6 +25,9 @@ def read_conversations(cfg, fingerprint: dict, report: BadRecordReport) -> tuple
     regen_dir = cfg.stage_dir("regen")
     manifest = load_manifest(regen_dir, expect_stage="regen")
     check_target(fingerprint, manifest, regen_dir / MANIFEST, what="regen target")
+    # The answers follow the generation prompt of the regen's thinking mode: tokenized under another one, the
+    # rows would hold prompts the target never answered.
+    check_thinking(cfg.regen.thinking, manifest, regen_dir / MANIFEST)
     if manifest.get("complete") is False:
         log.warning("%s is partial (regen.finalize_partial): %d of %d planned shards missing; this dump covers "
                     "the %d conversations regenerated so far", regen_dir, manifest["shards_missing"],
@@ -39,17 +42,18 @@ def read_conversations(cfg, fingerprint: dict, report: BadRecordReport) -> tuple
     return conversations(), [regen_dir]
 
 
-def tokenize_all(conversations: Iterable[dict], tokenizer, data_cfg, limit=None
+def tokenize_all(conversations: Iterable[dict], tokenizer, data_cfg, limit=None, thinking=ThinkingMode.template
                  ) -> tuple[list[TokenizedSample], Counter]:
-    """Every conversation tokenized, in input order. Conversations without a single assistant token teach
-    the draft nothing and are skipped (counted), like overlength ones under `overlength=drop`."""
+    """Every conversation tokenized, in input order, with the template's `thinking` mode (`regen.thinking`).
+    Conversations without a single assistant token teach the draft nothing and are skipped (counted), like
+    overlength ones under `overlength=drop`."""
     samples, counts = [], Counter()
     for conv in conversations:
         if limit is not None and counts["conversations"] >= limit:
             break
         counts["conversations"] += 1
         tok = tokenize_conversation(tokenizer, conv["messages"], data_cfg.max_length, data_cfg.overlength,
-                                    data_cfg.system_prompt)
+                                    data_cfg.system_prompt, thinking=thinking)
         if tok is None:
             counts["dropped_overlength"] += 1
             continue

@@ -37,7 +37,8 @@ def main(cfg) -> DumpSummary:
     summary = dump_hidden_states(
         target, rows.samples, cfg.dump, out_dir, rank=rank, target_layout=tp,
         manifest_extra={"config": {"dump": cfg.dump, "data": cfg.data, "target": cfg.target},
-                        "counts": dict(rows.counts), "inputs": rows.inputs, "bad_records": rows.bad_records})
+                        "counts": dict(rows.counts), "inputs": rows.inputs, "bad_records": rows.bad_records,
+                        "thinking": cfg.regen.thinking})  # the rows' template mode: train and eval check it
     log.info("%s", summary)
 
     if cfg.dump.verify and summary.manifest is not None:
@@ -72,7 +73,8 @@ def plan_only(cfg) -> dict:
             conversations, source = read_sources(cfg.data, report), "the data sources' own answers (regen has not run)"
         else:
             raise
-    samples, counts = tokenize_all(conversations, target.tokenizer, cfg.data, cfg.dump.limit)
+    samples, counts = tokenize_all(conversations, target.tokenizer, cfg.data, cfg.dump.limit,
+                                   thinking=cfg.regen.thinking)
     if not samples:
         raise RuntimeError(f"dump.plan_only: nothing to size in {source}: no conversation with an assistant answer "
                            f"({dict(counts)}); prompt-only data is sized after regen")

@@ -8,7 +8,8 @@ arrays, and every rank then memory-maps them: a row is a pair of views, the page
                                  loss_mask.npy uint8 [tokens]  meta.json (counts, bad records, key document)
 
 The key is a digest of everything the tokens depend on: the input (the regen manifest's digest, or the data
-config), the tokenizer and chat template (the fingerprint's tokenizer digest), the data settings that shape a
+config), the tokenizer and chat template (the fingerprint's tokenizer digest) and its thinking mode
+(`regen.thinking`, in the key unless `template`, so older folders stay valid), the data settings that shape a
 row, `dump.limit`, and this format's version. Another input, template or setting makes another folder.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.chat import ThinkingMode
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
 from pipeline.hidden_states.plan import TokenizedSample
 from pipeline.lock import first_writer_lock
@@ -94,6 +96,8 @@ def tokens_key(cfg, fingerprint: dict, inputs: Sequence[Path]) -> str:
            "data": {k: to_plain(getattr(cfg.data, k)) for k in
                     ("max_length", "overlength", "system_prompt", "max_turn_chars", "on_bad_record")},
            "limit": cfg.dump.limit}
+    if cfg.regen.thinking != ThinkingMode.template:  # absent for `template`: keys made before the mode existed hold
+        doc["thinking"] = str(cfg.regen.thinking)
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -108,7 +112,8 @@ def tokenized_input(cfg, target) -> TokenizedInput:
     with first_writer_lock(directory):
         if not (directory / "meta.json").is_file():
             cached = False
-            samples, counts = tokenize_all(conversations, target.tokenizer, cfg.data, cfg.dump.limit)
+            samples, counts = tokenize_all(conversations, target.tokenizer, cfg.data, cfg.dump.limit,
+                                           thinking=cfg.regen.thinking)
             write_tokens(directory, samples, {"counts": dict(counts), "bad_records": report.to_dict(),
                                               "summary": report.summary()})
     meta = json.loads((directory / "meta.json").read_text())

@@ -30,6 +30,10 @@ BACKENDS: dict[str, Entry] = {
                       "a llama.cpp server regen starts itself on the target's GGUF (CPU)"),
     "openai": Entry("pipeline.regen.openai_backend",
                     "OpenAI-compatible servers you run (vLLM, SGLang, llama.cpp): regen.openai.base_url"),
+    "ctranslate2": Entry("pipeline.regen.ctranslate2_backend",
+                         "CTranslate2 in process, the target converted once (batched generation per wave)"),
+    "openvino": Entry("pipeline.regen.openvino_backend",
+                      "OpenVINO GenAI's continuous-batching pipeline in process, the target converted once"),
 }
 
 # Fastest first, per device kind (bench/results/stages.json); a backend that is unavailable is skipped.

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pipeline.choices import Choice
+from pipeline.data.chat import ThinkingMode
 from pipeline.regen.backends import names as backend_names
 
 # `auto` and every registered backend (pipeline/regen/backends.py: a backend is one entry there).
@@ -22,14 +23,19 @@ class KVCacheKind(Choice):
 
 @dataclass
 class OpenAIBackendConfig:
-    base_url: str = "http://127.0.0.1:8000/v1"
+    # One server's URL, or a list of them (`regen.openai.base_url=[http://a:8000/v1,http://b:8000/v1]`): requests
+    # spread over the healthy ones; a dead server's requests go to the others (openai_backend.py).
+    base_url: Any = "http://127.0.0.1:8000/v1"
     model: str = "default"
     api_key_env: str = "OPENAI_API_KEY"
-    # Conversations in flight; each sends its next turn as soon as its answer returns. Set it to the server's
-    # parallel slots (llama.cpp `-np`, vLLM/SGLang max running requests) so continuous batching stays full.
+    # Conversations in flight per server; each sends its next turn as soon as its answer returns. Set it to the
+    # server's parallel slots (llama.cpp `-np`, vLLM/SGLang max running requests) so continuous batching stays full.
     concurrency: int = 8
     timeout_s: float = 120.0
-    max_retries: int = 4
+    # Retries of a request that failed transiently, each on the best server at that moment; a server is left
+    # alone for backoff_s x 2^(its consecutive failures - 1) (with jitter, at most 60 s), so 6 retries ride out
+    # an outage of about a minute. A request still failing leaves its conversation pending for a rerun.
+    max_retries: int = 6
     backoff_s: float = 1.0
 
 
@@ -67,6 +73,35 @@ class HFGenerateConfig:
 
 
 @dataclass
+class CTranslate2Config:
+    """`regen.backend=ctranslate2` (pipeline/regen/ctranslate2_backend.py): the target converted to CTranslate2."""
+    compute_type: str = "float32"  # float32 | bfloat16 (where supported); never int8 unless set on purpose
+    threads: Optional[int] = None  # intra-op threads; None: this process's CPUs shared among local ranks
+    # Prompts in one generate_batch differ by at most this many tokens (the excess is forwarded token by token).
+    length_spread: int = 64
+    max_batch_size: int = 0  # 0: a group is one batch; else CTranslate2 splits it (sorted by length)
+    device: str = "auto"  # auto: the target's device (cuda when target.device resolves to it) | cpu | cuda
+    cache_dir: Optional[str] = None  # converted models; None: <eaglet cache>/engines/ctranslate2/models
+
+
+@dataclass
+class OpenVINOConfig:
+    """`regen.backend=openvino` (pipeline/regen/openvino_backend.py): OpenVINO GenAI's continuous batching."""
+    weight_format: str = "fp32"  # the exported weights: fp32 | fp16 | bf16
+    precision: str = "f32"  # INFERENCE_PRECISION_HINT: f32 | bf16 | f16 (where the device computes it)
+    kv_cache_precision: str = "f32"  # KV_CACHE_PRECISION: f32 | bf16 | f16
+    threads: Optional[int] = None  # INFERENCE_NUM_THREADS; None: this process's CPUs shared among local ranks
+    # Conversations in flight (per-conversation schedule); 0: one wave at a time through `generate`.
+    concurrency: int = 16
+    kv_cache_gb: float = 1.0  # SchedulerConfig.cache_size: the paged KV cache shared by all requests
+    max_num_batched_tokens: int = 256  # tokens per step (prompt chunks + decodes, dynamic split-fuse)
+    device: str = "CPU"
+    # The Python of the environment holding optimum-intel; empty: <eaglet cache>/engines/openvino/venv.
+    converter_python: str = ""
+    cache_dir: Optional[str] = None  # converted models; None: <eaglet cache>/engines/openvino/models
+
+
+@dataclass
 class RegenConfig:
     # auto: llamacpp when the target is a GGUF, it runs on CPU and the llama-server binary is built (AMX
     # prompt processing, continuous batching; the comparison with hf is in docs/results.md), else hf.
@@ -81,10 +116,17 @@ class RegenConfig:
     limit: Optional[int] = None  # first N conversations of the input (None: all)
     batches_per_shard: int = 4
     on_degenerate: OnDegenerate = OnDegenerate.flag  # empty answers, answers cut at max_new_tokens
+    # The chat template's reasoning switch (Qwen3's enable_thinking): on | off | template (pass nothing: the
+    # template's own default). The experiment's mode: dump, train and eval render with it too and refuse an input
+    # made under another one. on/off are refused for a template that ignores the switch.
+    thinking: ThinkingMode = ThinkingMode.template
     # A directory holding a different run (input, plan, generation settings, target) is refused unless set.
     overwrite: bool = False
-    # Rank 0 waits this long for the other ranks' shards before giving up on the manifest.
-    wait_timeout_s: float = 3600.0
+    # The run stops (one line; everything finished is kept) when more than max_failure_rate x failure_window of
+    # the last failure_window conversations failed: a server outage stops it early instead of asking every
+    # conversation in vain. Conversations that failed transiently stay pending, and a rerun asks exactly them.
+    max_failure_rate: float = 0.05
+    failure_window: int = 200
     progress: bool = True
     # Generate nothing: write the manifest over the shards finished so far (it records the missing ones,
     # "complete": false) so the next stages can start while a long regen is still unfinished. A later
@@ -93,7 +135,13 @@ class RegenConfig:
     hf: HFGenerateConfig = field(default_factory=HFGenerateConfig)
     openai: OpenAIBackendConfig = field(default_factory=OpenAIBackendConfig)
     llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
+    ctranslate2: CTranslate2Config = field(default_factory=CTranslate2Config)
+    openvino: OpenVINOConfig = field(default_factory=OpenVINOConfig)
 
     def __post_init__(self) -> None:
         self.backend = RegenBackend.parse(self.backend, "regen.backend")
         self.on_degenerate = OnDegenerate.parse(self.on_degenerate, "regen.on_degenerate")
+        if not 0 <= self.max_failure_rate <= 1 or self.failure_window < 1:
+            raise ValueError(f"regen.max_failure_rate must be in [0, 1] and regen.failure_window >= 1 (got "
+                             f"{self.max_failure_rate}, {self.failure_window})")
+        self.thinking = ThinkingMode.parse(self.thinking, "regen.thinking")

@@ -24,28 +24,17 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Optional, Union
 
 from pipeline.data.chat import ThinkingMode, check_thinking_template, render_prompt
 from pipeline.regen.batching import RegenItem, derive_seed
+from pipeline.regen.config import CTranslate2Config
 from pipeline.regen.waves import Answer, Failure, Request
 
 log = logging.getLogger(__name__)
 
 CONVERTER = "ct2-transformers-converter"  # = python -m ctranslate2.converters.transformers
 STORED = "float32"  # the conversion's weight format; compute_type converts at load
-
-
-@dataclass
-class CTranslate2Config:
-    compute_type: str = "float32"  # float32 | bfloat16 (where supported); never int8 unless set on purpose
-    threads: Optional[int] = None  # intra-op threads; None: this process's CPUs shared among local ranks
-    # Prompts in one generate_batch differ by at most this many tokens (the excess is forwarded token by token).
-    length_spread: int = 64
-    max_batch_size: int = 0  # 0: a group is one batch; else CTranslate2 splits it (sorted by length)
-    device: str = "auto"  # auto: the target's device (cuda when target.device resolves to it) | cpu | cuda
-    cache_dir: Optional[str] = None  # converted models; None: <eaglet cache>/engines/ctranslate2/models
 
 
 def version() -> Optional[str]:

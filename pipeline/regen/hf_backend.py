@@ -139,7 +139,7 @@ def make(cfg, info):
                     "tensor-parallel server: regen.backend=openai)", target_cfg.tensor_parallel)
         target_cfg = dataclasses.replace(target_cfg, tensor_parallel=1)
     target = load_target(target_cfg)
-    backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, rcfg.hf)
+    backend = HFBackend(target, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, rcfg.hf, thinking=rcfg.thinking)
     generation = {"stop_token_ids": backend.stop_ids}
     if rcfg.hf != HFGenerateConfig():  # recorded only when set, so runs started before these options resume
         generation["hf"] = dataclasses.asdict(rcfg.hf)

@@ -7,7 +7,13 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from pipeline.regen.openai_backend import OpenAIBackend, refuse_own_template, served_fingerprint, served_tokenizer
+from pipeline.regen.openai_backend import (
+    OpenAIBackend,
+    refuse_own_template,
+    served_fingerprint,
+    served_tokenizer,
+    server_options,
+)
 
 
 def unavailable(cfg) -> Optional[str]:
@@ -55,7 +61,7 @@ def make(cfg, info):
         served = dataclasses.replace(rcfg.openai, base_url=server.base_url, model="default",
                                      concurrency=rcfg.llamacpp.slots, timeout_s=rcfg.llamacpp.timeout_s)
         backend = OpenAIBackend(served, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
-                                server=server)
+                                server=server, **server_options(cfg))
         fingerprint = served_fingerprint(cfg, tokenizer, served)
     except BaseException:
         server.close()

@@ -1,10 +1,17 @@
-"""Generation through any OpenAI-compatible `/v1/chat/completions` server (vLLM, SGLang, llama.cpp's server).
+"""Generation through OpenAI-compatible `/v1/chat/completions` servers (vLLM, SGLang, llama.cpp's server).
 
-The server applies the chat template and batches requests itself; here `concurrency` conversations are kept in
-flight, each asking its next turn as soon as its answer returns (waves.py), so a server with parallel slots and
-continuous batching stays full. Each request has a timeout and retries with exponential backoff on transient
-errors (connection, timeout, 408/409/429/5xx). A request that still fails becomes a `Failure` with its reason;
-the run goes on. Standard library HTTP only, so nothing else needs installing.
+The servers apply the chat template and batch requests themselves; here `concurrency` conversations per server
+are kept in flight, each asking its next turn as soon as its answer returns (waves.py, stream.py), so servers
+with parallel slots and continuous batching stay full.
+
+`regen.openai.base_url` is one URL or a list. Each request goes to the healthy server with the fewest requests
+in flight (at most `concurrency` each). A transient error (connection, timeout, 408/409/429/5xx) marks that
+server down for a backoff that doubles with its consecutive failures (with jitter), and the request is asked
+again at once on another server, or, when every server is down, on the first to come back. So a dead server's
+in-flight requests go to the others, and a single server that restarts is waited for. A request that still
+fails after `max_retries` retries becomes a retryable `Failure`: its conversation stays pending, and a rerun
+asks it. An error that will not go away (an HTTP 400, say a prompt longer than the server's context) fails at
+once, for good. Standard library HTTP only, so nothing else needs installing.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,30 +50,103 @@ class _RequestError(Exception):
         self.attempts = 1
 
 
+def base_urls(value) -> list[str]:
+    """`regen.openai.base_url` (one URL, a list, or a comma-separated string) as a list of URLs."""
+    urls = [value] if isinstance(value, str) else list(value or [])
+    urls = [u.strip().rstrip("/") for url in urls for u in str(url).split(",") if u.strip()]
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"regen.openai.base_url lists a server twice: {urls}")
+    return urls
+
+
+class Server:
+    """One server's state in the pool: requests in flight, consecutive failures, down until when."""
+
+    def __init__(self, url: str, concurrency: int):
+        self.url, self.concurrency = url, concurrency
+        self.in_flight = 0
+        self.failures = 0  # consecutive
+        self.down_until = 0.0  # time.monotonic()
+        self.answered = 0
+
+    def up(self, now: float) -> bool:
+        return self.down_until <= now
+
+
+class ServerPool:
+    """Picks a server per request (healthy, least loaded, below its concurrency) and keeps their health."""
+
+    def __init__(self, urls: list[str], concurrency: int, backoff_s: float):
+        self.servers = [Server(u, concurrency) for u in urls]
+        self.backoff_s = backoff_s
+        self.cond = threading.Condition()
+
+    def acquire(self) -> Server:
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                free = [s for s in self.servers if s.up(now) and s.in_flight < s.concurrency]
+                if free:
+                    server = min(free, key=lambda s: (s.in_flight / s.concurrency, s.failures))
+                    server.in_flight += 1
+                    return server
+                wake = [s.down_until - now for s in self.servers if not s.up(now)]
+                # Every server down: wait for the first to come back; else for a slot to free up.
+                self.cond.wait(timeout=min(wake) if wake and len(wake) == len(self.servers) else 1.0)
+
+    def release(self, server: Server, error: Optional[_RequestError] = None, attempt: int = 1) -> None:
+        """A request's end at `server`. A transient error leaves the server alone for the backoff of that
+        request's attempt (doubling per retry, with jitter, at most 60 s): the longest backoff among the
+        requests it failed, never one that grows with how many requests were in flight."""
+        with self.cond:
+            server.in_flight -= 1
+            if error is None:
+                server.failures, server.down_until = 0, 0.0
+                server.answered += 1
+            elif error.retryable:
+                server.failures += 1
+                delay = min(60.0, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random())
+                server.down_until = max(server.down_until, time.monotonic() + delay)
+                log.debug("%s: %s (%s); down for %.1f s", server.url, error.reason, error.detail, delay)
+            self.cond.notify_all()
+
+    def mark_down(self, server: Server, seconds: float) -> None:
+        with self.cond:
+            server.down_until = time.monotonic() + seconds
+            server.failures = max(server.failures, 1)
+
+
 class OpenAIBackend:
     name = "openai"
 
     def __init__(self, cfg: OpenAIBackendConfig, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 tokenizer=None, server=None):
+                 tokenizer=None, server=None, chat_template_kwargs: Optional[dict] = None):
         self.cfg = cfg
         self.server = server  # a server regen started for this run (llama_server.LlamaServer): closed with us
-        self.base_url = cfg.base_url.rstrip("/")
+        urls = base_urls(cfg.base_url)
+        if not urls:
+            raise ValueError("regen.openai.base_url is empty: give the server's URL, e.g. http://host:8000/v1")
+        self.base_url = urls[0] if len(urls) == 1 else urls  # as configured: recorded in the manifest
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.tokenizer = tokenizer  # only to count tokens when the server reports no usage
+        self.chat_template_kwargs = chat_template_kwargs or {}  # e.g. {"enable_thinking": False}
         self.api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        self.concurrency = max(1, cfg.concurrency)  # conversations in flight (set it to the server's slots)
+        self.pool_of_servers = ServerPool(urls, max(1, cfg.concurrency), cfg.backoff_s)
+        # Conversations in flight: `concurrency` per server (set it to each server's slots).
+        self.concurrency = max(1, cfg.concurrency) * len(urls)
         self.pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="regen-openai")
         self.model = self._resolve_model()
 
     # -- HTTP ------------------------------------------------------------------------------------------
 
-    def _http(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None) -> dict:
+    def _http(self, url: str, method: str, path: str, body: Optional[dict] = None,
+              timeout_s: Optional[float] = None) -> dict:
         timeout_s = timeout_s or self.cfg.timeout_s
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
+        req = urllib.request.Request(url + path, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 raw = resp.read()
@@ -87,34 +168,59 @@ class OpenAIBackend:
 
     def _with_retries(self, method: str, path: str, body: Optional[dict] = None,
                       timeout_s: Optional[float] = None) -> tuple[dict, int]:
-        """(response, attempts); raises a non-retryable error at once, a retryable one once retries are spent."""
+        """(response, attempts) from whichever server answers; raises a non-retryable error at once, a
+        retryable one once `max_retries` retries are spent (each on the best server at that moment)."""
+        pool = self.pool_of_servers
         for attempt in range(1, self.cfg.max_retries + 2):
+            server = pool.acquire()
             try:
-                return self._http(method, path, body, timeout_s), attempt
+                response = self._http(server.url, method, path, body, timeout_s)
             except _RequestError as e:
+                pool.release(server, e, attempt)
                 e.attempts = attempt
-                if not e.retryable or attempt > self.cfg.max_retries:
+                e.detail = f"{server.url}: {e.detail}"
+                if not e.retryable or attempt > self.cfg.max_retries or self._own_server_died():
                     raise
-                # Exponential backoff with jitter, so concurrent workers do not retry in lockstep.
-                delay = self.cfg.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random())
-                log.debug("%s %s: %s (%s); retry %d in %.1f s", method, path, e.reason, e.detail, attempt, delay)
-                time.sleep(delay)
+                continue
+            except BaseException:
+                pool.release(server)
+                raise
+            pool.release(server)
+            return response, attempt
         raise AssertionError("unreachable")
 
+    def _own_server_died(self) -> bool:
+        """The server this run started (llamacpp) has exited: retrying cannot help."""
+        return self.server is not None and self.server.proc.poll() is not None
+
     def _resolve_model(self) -> str:
-        """Checks the server is up (fail fast rather than log a failure per request) and resolves the model:
-        `default` takes the server's first model (llama.cpp and single-model vLLM/SGLang serve just one)."""
-        try:
-            # A cheap call: a generous timeout even when generation timeouts are tight.
-            listing, _ = self._with_retries("GET", "/models", timeout_s=max(self.cfg.timeout_s, 10.0))
-        except _RequestError as e:
-            raise ServerUnavailable(f"regen.openai.base_url={self.cfg.base_url}: {e.reason} ({e.detail})") from None
-        ids = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
-        if self.cfg.model in ids:
-            return self.cfg.model
-        if self.cfg.model == "default" and ids:
-            return ids[0]
-        raise ServerUnavailable(f"server {self.cfg.base_url} does not serve model {self.cfg.model!r} (serves {ids})")
+        """Checks the servers are up (fail fast rather than log a failure per request) and resolves the model:
+        `default` takes the first server's first model (llama.cpp and single-model vLLM/SGLang serve just
+        one). A server down at the start is left out until it answers; every server down stops here."""
+        listings, errors = {}, {}
+        for server in self.pool_of_servers.servers:
+            try:  # a cheap call: a generous timeout even when generation timeouts are tight
+                listings[server.url] = self._http(server.url, "GET", "/models",
+                                                  timeout_s=max(self.cfg.timeout_s, 10.0))
+            except _RequestError as e:
+                errors[server.url] = f"{e.reason} ({e.detail})"
+                self.pool_of_servers.mark_down(server, self.cfg.backoff_s)
+        if not listings:
+            raise ServerUnavailable(f"regen.openai.base_url={self.cfg.base_url}: "
+                                    + "; ".join(f"{u}: {m}" for u, m in errors.items()))
+        for url, message in errors.items():
+            log.warning("regen: server %s does not answer (%s); the others take its requests", url, message)
+        served = {url: [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
+                  for url, listing in listings.items()}
+        ids = next(iter(served.values()))
+        model = self.cfg.model if self.cfg.model in ids else (ids[0] if self.cfg.model == "default" and ids else None)
+        if model is None:
+            raise ServerUnavailable(f"server {next(iter(served))} does not serve model {self.cfg.model!r} "
+                                    f"(serves {ids})")
+        if wrong := {url: m for url, m in served.items() if model not in m}:
+            raise ServerUnavailable(f"the servers serve different models: {model!r} at {next(iter(served))}, "
+                                    f"but {wrong}")
+        return model
 
     # -- generation -------------------------------------------------------------------------------------
 
@@ -127,20 +233,27 @@ class OpenAIBackend:
     def complete(self, request: Request) -> Union[Answer, Failure]:
         body = {"model": self.model, "messages": request.messages, "max_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": request.seed, "stream": False}
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         try:
             resp, attempts = self._with_retries("POST", "/chat/completions", body)
         except _RequestError as e:
-            if self.server is not None and self.server.proc.poll() is not None:
+            if self._own_server_died():
                 # Our own server died: these are not the conversations' failures. Raise, so the batch is not
                 # saved and a rerun (which starts a new server) generates it.
                 raise ServerUnavailable(f"llama-server exited with code {self.server.proc.returncode} during "
                                         f"the run; see {self.server.log_path}") from None
-            return Failure(e.reason, e.detail, e.attempts)
+            return Failure(e.reason, e.detail, e.attempts, retryable=e.retryable)
         try:
             choice = resp["choices"][0]
-            text = choice["message"]["content"]
+            message = choice["message"]
+            text = message["content"] or ("" if message.get("reasoning_content") else message["content"])
             if not isinstance(text, str):
                 raise TypeError(f"content is {type(text).__name__}")
+            if reasoning := message.get("reasoning_content"):
+                # A server that splits the reasoning out (vLLM --reasoning-parser, llama.cpp's reasoning
+                # format): the target's answer is both, in the template's own form (Qwen3's think block).
+                text = f"<think>\n{reasoning.strip()}\n</think>\n\n{text.lstrip()}"
         except (KeyError, IndexError, TypeError) as e:
             return Failure("bad_response", f"{type(e).__name__}: {e}; response {str(resp)[:200]}", attempts)
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
@@ -173,13 +286,24 @@ def refuse_own_template(cfg, name: str) -> None:
 
 
 def served_tokenizer(cfg):
-    """The target's tokenizer, as load_target pads it, so every backend digests the same tokenizer."""
+    """The target's tokenizer, as load_target pads it, so every backend digests the same tokenizer; refuses
+    regen.thinking=on/off for a template without the switch before any request is sent."""
+    from pipeline.data.chat import check_thinking_template
     from pipeline.target import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.target)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_thinking_template(tokenizer, cfg.regen.thinking)
     return tokenizer
+
+
+def server_options(cfg) -> dict:
+    """OpenAIBackend's keyword arguments every server backend shares: the thinking switch goes to the
+    server's template as `chat_template_kwargs` (vLLM, SGLang and llama.cpp's server take it)."""
+    from pipeline.data.chat import template_kwargs
+
+    return {"chat_template_kwargs": template_kwargs(cfg.regen.thinking)}
 
 
 def served_fingerprint(cfg, tokenizer, served) -> dict:
@@ -200,6 +324,7 @@ def make(cfg, info):
     rcfg = cfg.regen
     refuse_own_template(cfg, "openai")
     tokenizer = served_tokenizer(cfg)
-    backend = OpenAIBackend(rcfg.openai, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer)
+    backend = OpenAIBackend(rcfg.openai, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
+                            **server_options(cfg))
     return backend, served_fingerprint(cfg, tokenizer, rcfg.openai), {"served_model": backend.model,
                                                                       "base_url": backend.base_url}

@@ -31,12 +31,12 @@ import itertools
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 from pipeline.data.chat import ThinkingMode, check_thinking_template, render_prompt
 from pipeline.regen.batching import RegenItem
+from pipeline.regen.config import OpenVINOConfig
 from pipeline.regen.waves import Answer, Failure, Request
 
 log = logging.getLogger(__name__)
@@ -44,22 +44,6 @@ log = logging.getLogger(__name__)
 OPTIMUM_INTEL = "2.2.0"  # the converter version the venv recipe above installs (and the tests used)
 WEIGHT_FORMATS = ("fp32", "fp16", "bf16")  # never int8/int4 here: regen answers must come from the target
 PRECISIONS = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
-
-
-@dataclass
-class OpenVINOConfig:
-    weight_format: str = "fp32"  # the exported weights: fp32 | fp16 | bf16
-    precision: str = "f32"  # INFERENCE_PRECISION_HINT: f32 | bf16 | f16 (where the device computes it)
-    kv_cache_precision: str = "f32"  # KV_CACHE_PRECISION: f32 | bf16 | f16
-    threads: Optional[int] = None  # INFERENCE_NUM_THREADS; None: this process's CPUs shared among local ranks
-    # Conversations in flight (per-conversation schedule); 0: one wave at a time through `generate`.
-    concurrency: int = 16
-    kv_cache_gb: float = 1.0  # SchedulerConfig.cache_size: the paged KV cache shared by all requests
-    max_num_batched_tokens: int = 256  # tokens per step (prompt chunks + decodes, dynamic split-fuse)
-    device: str = "CPU"
-    # The Python of the environment holding optimum-intel; empty: <eaglet cache>/engines/openvino/venv.
-    converter_python: str = ""
-    cache_dir: Optional[str] = None  # converted models; None: <eaglet cache>/engines/openvino/models
 
 
 def version() -> Optional[str]:

@@ -1,27 +1,32 @@
 """Stage regen: every user turn of the input answered by the target itself (see docs/design.md).
 
-Reads the data sources, plans batches over the whole input, generates this rank's missing shards, and on
-rank 0 waits for every shard and writes the manifest. Logic lives in batching / waves / *_backend / shards.
+Reads the data sources, plans batches over the whole input, generates this rank's missing shards (streamed
+through a server's slots, stream.py, or wave by wave in process, waves.py), and writes the manifest when it
+finds every shard done, whichever rank that is. Backends are registered in backends.py; the directory's
+bookkeeping is shards.py.
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Optional
 
-import torch
 from tqdm.auto import tqdm
 
 from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.chat import ThinkingMode
 from pipeline.data.readers import read_sources
 from pipeline.dist import RankInfo, rank_info, shard_for_rank
+from pipeline.lock import first_writer_lock
 from pipeline.manifest import FINGERPRINT_KEYS, write_manifest
 from pipeline.regen import backends
 from pipeline.regen.batching import Plan, RegenItem, make_plan, to_items
 from pipeline.regen.config import RegenConfig
 from pipeline.regen.shards import RegenDir, sum_stats
-from pipeline.regen.waves import regen_batch
+from pipeline.regen.stream import FailureWindow, stream_rank
+from pipeline.regen.waves import BatchResult, regen_batch
 
 if TYPE_CHECKING:
     from pipeline.config import EagletConfig
@@ -76,17 +81,45 @@ def _run(cfg: EagletConfig, info: RankInfo, items: list[RegenItem], report: BadR
         log.warning("regen.batch_size=%d < %d conversations in flight: a batch cannot fill the server's slots; "
                     "raise regen.batch_size (several times the slots keeps them full)", rcfg.batch_size,
                     backend.concurrency)
-    fresh = run_rank(out, plan, items, backend, rcfg, info)
+    fresh, pending = run_rank(out, plan, items, backend, rcfg, info)
     log.info("regen rank %d, this run: %s", info.rank, describe(fresh))
-    if not info.is_main:
-        return None
+    if pending:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(Counter(f["reason"] for f in pending).items()))
+        raise RegenPending(f"{len(pending)} conversations of rank {info.rank} are still pending after failed "
+                           f"requests ({reasons}; e.g. {pending[0]['id']}: {str(pending[0]['detail'])[:200]}). "
+                           f"Everything finished is kept: rerun the same command, it asks exactly those")
+    return finalize(cfg, out, report, fingerprint, generation, plan, t0, info, server_rss_mb(backend))
 
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    markers = out.wait_for_shards(plan.n_shards, rcfg.wait_timeout_s)
-    summary = write_regen_manifest(cfg, out, markers, report, fingerprint, generation, plan, time.time() - t0)
+
+def server_rss_mb(backend) -> Optional[float]:
+    """Peak RSS of the server a backend started for this run (its process tree), if it started one."""
+    server = getattr(backend, "server", None)
+    return server.peak_rss_mb() if server is not None and hasattr(server, "peak_rss_mb") else None
+
+
+def finalize(cfg: EagletConfig, out: RegenDir, report: BadRecordReport, fingerprint: dict, generation: dict,
+             plan: Plan, t0: float, info: RankInfo, server_rss: Optional[float] = None) -> Optional[dict]:
+    """The manifest, written by whichever rank finds every shard done (the last to finish, or a rerun), so no
+    rank waits for the others. Idempotent: under a lock, a rank that finds it written already leaves it."""
+    markers = out.markers(plan.n_shards)
+    missing = sum(m is None for m in markers)
+    if missing:
+        log.info("regen rank %d: its shards are done; %d of %d shards are other ranks' still: the last rank to "
+                 "finish writes the manifest (or a rerun of regen, with any number of ranks)", info.rank, missing,
+                 plan.n_shards)
+        return None
+    with first_writer_lock(out.root / "manifest.json"):
+        if out.manifest_written(plan.digest, markers):  # by another rank, or an earlier run: left as it is
+            log.info("regen rank %d: every shard is done and %s is written", info.rank, out.root / "manifest.json")
+            return sum_stats([m["stats"] for m in markers])
+        summary = write_regen_manifest(cfg, out, markers, report, fingerprint, generation, plan, time.time() - t0,
+                                       server_rss)
     log.info("regen done: %s", describe(summary))
     return summary
+
+
+class RegenPending(RuntimeError):
+    """Conversations whose requests failed transiently: not done, asked again by a rerun."""
 
 
 def finalize_partial(cfg: EagletConfig, out: RegenDir, report: BadRecordReport, fingerprint: dict,
@@ -141,13 +174,16 @@ def make_backend(cfg: EagletConfig, info: RankInfo):
                   "top_p": rcfg.top_p, "seed": rcfg.seed, "batch_size": rcfg.batch_size,
                   "batches_per_shard": rcfg.batches_per_shard, "on_degenerate": rcfg.on_degenerate,
                   "system_prompt": cfg.data.system_prompt}
+    if rcfg.thinking != ThinkingMode.template:  # recorded only when set, so runs started before the switch resume
+        generation["thinking"] = rcfg.thinking
     backend, fingerprint, specific = backends.module(name).make(cfg, info)
     generation.update(specific)
     return backend, fingerprint, generation
 
 
-def run_rank(out: RegenDir, plan: Plan, items: list[RegenItem], backend, rcfg: RegenConfig, info: RankInfo) -> dict:
-    """Generates this rank's unfinished shards; returns the stats of what it generated now."""
+def run_rank(out: RegenDir, plan: Plan, items: list[RegenItem], backend, rcfg: RegenConfig, info: RankInfo
+             ) -> tuple[dict, list[dict]]:
+    """Generates this rank's unfinished shards: (stats of what it generated now, pending failures)."""
     shards = list(shard_for_rank(plan.n_shards, info))
     todo = []
     for s in shards:
@@ -156,26 +192,43 @@ def run_rank(out: RegenDir, plan: Plan, items: list[RegenItem], backend, rcfg: R
         else:
             todo.append(s)
     fresh: list[dict] = []
+    window = FailureWindow(rcfg.max_failure_rate, rcfg.failure_window)
     bar = tqdm(total=sum(plan.shard_size(s) for s in todo), unit="conv", desc=f"regen r{info.rank}",
                disable=not rcfg.progress, mininterval=2.0, dynamic_ncols=True)
+
+    def saved(result: BatchResult) -> None:
+        fresh.append(result.stats)
+        done = sum_stats(fresh)
+        bar.set_postfix(tok_s=f"{done['tokens'] / max(done['generation_s'], 1e-9):.0f}", tokens=done["tokens"],
+                        refresh=False)
+
     with bar:
-        for s in todo:
+        if getattr(backend, "concurrency", 0) > 0:  # a server: conversations stream across batches
+            pending = stream_rank(out, plan, items, todo, info.rank, backend, rcfg.seed, rcfg.on_degenerate,
+                                  window, on_answer=bar.update, on_saved=saved)
+            return sum_stats(fresh), pending
+        pending = []
+        for s in todo:  # one padded batch per wave, batch after batch
             results = []
             for b in plan.shard_batches(s):
                 result = out.load_batch(b)
                 if result is None:
-                    batch = [items[i] for i in plan.batches[b]]
-                    result = regen_batch(backend, batch, rcfg.seed, rcfg.on_degenerate,
-                                         out.journal(b, [item.id for item in batch]))
+                    result = regen_batch(backend, [items[i] for i in plan.batches[b]], rcfg.seed, rcfg.on_degenerate)
+                    for failure in result.failures + result.pending:
+                        window.add(failure)
+                    for _ in range(len(plan.batches[b]) - len(result.failures) - len(result.pending)):
+                        window.add(None)
+                    window.check()
+                    if result.pending:
+                        pending.extend(result.pending)
+                        continue
                     out.save_batch(b, result)
-                    fresh.append(result.stats)
-                    done = sum_stats(fresh)
-                    bar.set_postfix(tok_s=f"{done['tokens'] / max(done['generation_s'], 1e-9):.0f}",
-                                    tokens=done["tokens"], refresh=False)
+                    saved(result)
                 results.append(result)
                 bar.update(len(plan.batches[b]))
-            out.finish_shard(s, plan.shard_batches(s), results, info.rank)
-    return sum_stats(fresh)
+            if len(results) == len(plan.shard_batches(s)):
+                out.finish_shard(s, plan.shard_batches(s), results, info.rank)
+    return sum_stats(fresh), pending
 
 
 def describe(stats: dict) -> str:
@@ -192,7 +245,8 @@ def describe(stats: dict) -> str:
 
 
 def write_regen_manifest(cfg: EagletConfig, out: RegenDir, markers: list[dict], report: BadRecordReport,
-                         fingerprint: dict, generation: dict, plan: Plan, wall_s: float) -> dict:
+                         fingerprint: dict, generation: dict, plan: Plan, wall_s: float,
+                         server_rss: Optional[float] = None) -> dict:
     total = sum_stats([m["stats"] for m in markers])
     counts = {
         "conversations_in": total.get("conversations", 0),
@@ -208,6 +262,8 @@ def write_regen_manifest(cfg: EagletConfig, out: RegenDir, markers: list[dict], 
     gen_s = total.get("generation_s", 0.0)
     timings = {"wall_s": round(wall_s, 3), "generation_s": round(gen_s, 3),
                "tokens_per_s": round(total.get("tokens", 0) / gen_s, 2) if gen_s else None}
+    if server_rss is not None:  # this process's own peak RSS is added by write_manifest
+        timings["server_peak_rss_mb"] = round(server_rss, 1)
     write_manifest(
         out.root, "regen", {"regen": cfg.regen, "data": cfg.data, "target": cfg.target}, counts, timings,
         target=fingerprint, generation=generation, format="sharegpt",

@@ -1,7 +1,7 @@
 """Regen output directory: complete shards only, crash-safe resumption, multi-rank bookkeeping.
 
     regen/
-      manifest.json                 written last, by rank 0, once every shard is done
+      manifest.json                 written last, once every shard is done, by the rank that finds them so
       shards/shard-00000.jsonl      ShareGPT records; only complete shards ever carry this name
       errors/shard-00000.jsonl      requests that failed for good: {id, turn, reason, detail, attempts}
       state/run.json                what this directory is a run of (plan digest, generation, target)
@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -151,19 +150,16 @@ class RegenDir:
     def markers(self, n_shards: int) -> list[Optional[dict]]:
         return [json.loads(self.done_path(s).read_text()) if self.shard_done(s) else None for s in range(n_shards)]
 
-    def wait_for_shards(self, n_shards: int, timeout_s: float, poll_s: float = 2.0) -> list[dict]:
-        """Rank 0: every rank's shards, waiting for the others with a timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            missing = [s for s in range(n_shards) if not self.shard_done(s)]
-            if not missing:
-                return self.markers(n_shards)
-            if time.monotonic() > deadline:
-                raise RegenStateError(
-                    f"{len(missing)} of {n_shards} shards still missing after {timeout_s:g} s (e.g. "
-                    f"{', '.join(map(str, missing[:5]))}): a rank died or is slow. Rerun regen (any number of "
-                    f"ranks, e.g. one) to generate what is missing and write the manifest")
-            time.sleep(poll_s)
+    def manifest_written(self, plan_digest: str, markers: list[dict]) -> bool:
+        """Whether manifest.json is complete and lists exactly these shards (then it is left as it is: the
+        next stage may be reading it already)."""
+        path = self.root / "manifest.json"
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        return (manifest.get("complete") is True and (manifest.get("plan") or {}).get("digest") == plan_digest
+                and [s.get("sha256") for s in manifest.get("shards", [])] == [m["sha256"] for m in markers])
 
 
 class ConversationJournal:

@@ -6,8 +6,11 @@ Turn k of a conversation needs the target's answer to turn k-1. Two schedules:
 - per conversation, for backends that serve concurrent requests themselves (a server with parallel slots
   and continuous batching, `Backend.concurrency`): each conversation asks its next turn as soon as its
   previous answer returns, so the server's slots never wait for a wave's slowest answer.
-A conversation whose request fails stops there and is reported; the rest of the batch goes on. Both
-schedules send the same requests (same history, same per-turn seed) and give the same records.
+A conversation whose request fails stops there; the rest of the batch goes on. A failure for good (a prompt
+longer than the context, an HTTP 400) is reported in the shard's errors; a transient one (connection, timeout,
+overload, still failing after the backend's retries) leaves the conversation pending: its batch is not saved,
+and a rerun asks it again. Both schedules send the same requests (same history, same per-turn seed) and give
+the same records. A rank's conversations stream through a concurrent backend across batches (stream.py).
 
 The per-conversation schedule also journals each finished conversation (`Journal`): a batch of hundreds of
 conversations takes an hour or more on a CPU server, and a killed run resumes it with only the unfinished
@@ -38,6 +41,8 @@ class Failure:
     reason: str  # e.g. prompt_too_long, timeout, connection_error, http_400, bad_response
     detail: str = ""
     attempts: int = 1
+    # True: the same request may succeed later (a server down or overloaded): the conversation stays pending.
+    retryable: bool = False
 
 
 @dataclass
@@ -70,8 +75,10 @@ class Backend(Protocol):
 @dataclass
 class BatchResult:
     records: list[dict]  # ShareGPT records, in batch order
-    failures: list[dict]  # {"id", "turn", "reason", "detail", "attempts"}
+    failures: list[dict]  # failed for good: {"id", "turn", "reason", "detail", "attempts", "retryable"}
     stats: dict = field(default_factory=dict)
+    # Transient failures: those conversations are pending, so the batch must not be saved (a rerun asks them).
+    pending: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"records": self.records, "failures": self.failures, "stats": self.stats}
@@ -102,7 +109,8 @@ def to_sharegpt(item: RegenItem, answers: list[Answer], flags: dict[str, list[in
 
 
 def _failure(item: RegenItem, turn: int, out: Failure) -> dict:
-    return {"id": item.id, "turn": turn, "reason": out.reason, "detail": out.detail, "attempts": out.attempts}
+    return {"id": item.id, "turn": turn, "reason": out.reason, "detail": out.detail, "attempts": out.attempts,
+            "retryable": out.retryable}
 
 
 def _by_waves(backend: Backend, items: list[RegenItem], seed: int) -> tuple[list[list[Answer]], dict[int, dict]]:
@@ -129,8 +137,9 @@ class Stopped(Exception):
     """A conversation noticed that the batch was given up (another failed, or the run was interrupted)."""
 
 
-def _conversation(backend: Backend, item: RegenItem, seed: int, stop: threading.Event, journal: Optional[Journal],
-                  clock) -> tuple[list[Answer], Optional[dict]]:
+def answer_conversation(backend: Backend, item: RegenItem, seed: int, stop: threading.Event,
+                        journal: Optional[Journal], clock) -> tuple[list[Answer], Optional[dict]]:
+    """Every turn of one conversation, each asked as soon as the previous answer returns; (answers, failure)."""
     history, answers = item.prefix(), []
     for turn, question in enumerate(item.user_turns):
         if stop.is_set():
@@ -160,7 +169,7 @@ def _by_conversation(backend: Backend, items: list[RegenItem], seed: int, journa
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="regen-conv")
     try:
-        futures = {i: pool.submit(_conversation, backend, items[i], seed, stop, journal, clock) for i in order}
+        futures = {i: pool.submit(answer_conversation, backend, items[i], seed, stop, journal, clock) for i in order}
         done.update({i: futures[i].result() for i in order})
     except BaseException:
         # An error (a dead server) or an interrupt: no conversation asks another turn, and the caller can
@@ -177,17 +186,19 @@ def _by_conversation(backend: Backend, items: list[RegenItem], seed: int, journa
 def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenerate: str = "flag",
                 journal: Optional[Journal] = None) -> BatchResult:
     """One batch's records; `journal` (per-conversation schedule only) resumes a batch a kill interrupted."""
-    on_degenerate = OnDegenerate.parse(on_degenerate, "regen.on_degenerate")
     t0 = time.perf_counter()
     if getattr(backend, "concurrency", 0) > 0:
-        schedule = _by_conversation
         answers, failed, generation_s = _by_conversation(backend, items, seed, journal)
-    else:
-        schedule = _by_waves
-        answers, failed = _by_waves(backend, items, seed)
-        generation_s = time.perf_counter() - t0
-    n_tokens = sum(a.n_tokens for turns in answers for a in turns)
+        return assemble(items, answers, failed, on_degenerate, generation_s, "conversation")
+    answers, failed = _by_waves(backend, items, seed)
+    return assemble(items, answers, failed, on_degenerate, time.perf_counter() - t0, "waves")
 
+
+def assemble(items: list[RegenItem], answers: list[list[Answer]], failed: dict[int, dict], on_degenerate: str,
+             generation_s: float, schedule: str) -> BatchResult:
+    """A batch's records, failures and stats from its conversations' answers (`failed`: by item index)."""
+    on_degenerate = OnDegenerate.parse(on_degenerate, "regen.on_degenerate")
+    n_tokens = sum(a.n_tokens for turns in answers for a in turns)
     records, degenerate, dropped = [], Counter(), 0
     for i, item in enumerate(items):
         if i in failed:
@@ -201,6 +212,8 @@ def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenera
             dropped += 1
             continue
         records.append(to_sharegpt(item, answers[i], flags))
+    pending = [f for f in failed.values() if f.get("retryable")]
+    for_good = [f for f in failed.values() if not f.get("retryable")]
     stats = {
         "conversations": len(items),
         "written": len(records),
@@ -209,8 +222,8 @@ def regen_batch(backend: Backend, items: list[RegenItem], seed: int, on_degenera
         "generation_s": generation_s,
         "degenerate_turns": dict(degenerate),
         "dropped_degenerate": dropped,
-        "failed": len(failed),
-        "failures_by_reason": dict(Counter(f["reason"] for f in failed.values())),
-        "schedule": {schedule.__name__.removeprefix("_by_"): 1},  # batches per schedule (sums across shards)
+        "failed": len(for_good),
+        "failures_by_reason": dict(Counter(f["reason"] for f in for_good)),
+        "schedule": {schedule: 1},  # batches per schedule (sums across shards)
     }
-    return BatchResult(records, list(failed.values()), stats)
+    return BatchResult(records, for_good, stats, pending)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.data.chat import ThinkingMode, check_thinking
 from pipeline.dist import head_target, rank_info, target_layout
 from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
@@ -134,6 +135,8 @@ def load_rows(cfg, par: Parallel, online: bool):
         digests = [digest_file(Path(d) / MANIFEST) for d in rows.inputs] or [to_plain(cfg.data)]
         identity = {"source": "online", "inputs": digests, "layer_ids": rows.layer_ids,
                     "target_precision": target.precision}
+        if cfg.regen.thinking != ThinkingMode.template:  # (absent for template: older checkpoints resume)
+            identity["thinking"] = str(cfg.regen.thinking)
         return target, rows, rows.inputs, identity
     dump_dir = cfg.stage_dir("dump")
     # The layers a head fuses are the ones the dump captured (its manifest); ids set in dump.layer_ids must
@@ -149,6 +152,7 @@ def load_rows(cfg, par: Parallel, online: bool):
                                 f"{REPAIR}")
     reader = DumpReader(dump_dir, expect_target=target.fingerprint,
                         expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None, verify=False)
+    check_thinking(cfg.regen.thinking, reader.manifest, dump_dir / MANIFEST)  # rows of the mode eval will render
     # No "source" key offline: checkpoints written before train.source existed still resume.
     return target, reader, [dump_dir], {"dump_manifest_sha256": digest_file(dump_dir / MANIFEST)}
 
@@ -207,6 +211,7 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
                 **{f"skipped_{k}": n for k, n in trainer.skipped.items()}},
         timings={"total_s": time.perf_counter() - t0}, inputs=inputs, source=str(cfg.train.source),
         target=target.fingerprint, precision=trainer.par.precision, head_config=head.config.to_dict(),
+        thinking=cfg.regen.thinking,  # the template mode of its rows: eval renders with it
         final_metrics=final_metrics, head_files=file_digests(final_dir))
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
                                                      if k in ("val/loss", "val/sim_tau", "eval/tau")})
