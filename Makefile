@@ -25,7 +25,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 EXPERIMENT ?= demo
 
-.PHONY: install install-test install-test-python install-llama-cpp install-slurm llama-server engine-vllm demo test test-fast \
+.PHONY: install install-test install-test-python install-llama-cpp install-slurm llama-server engine-vllm engine-openvino demo test test-fast \
 	lint bench clean-demo
 
 $(CURDIR)/.venv/bin/python:
@@ -103,6 +103,25 @@ $(VLLM_STAMP): $(if $(filter $(CURDIR)/.venv/bin/python,$(PYTHON)),$(CURDIR)/.ve
 	$(VLLM_DIR)/venv/bin/python -c 'import torchvision' 2>/dev/null || \
 	  $(VLLM_DIR)/venv/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_DIR)/venv/bin/python -c 'import vllm, vllm.entrypoints.openai.api_server; print("vllm", vllm.__version__)'
+	touch $@
+
+# OpenVINO GenAI for `regen.backend=openvino` (pipeline/regen/openvino_backend.py): the runtime goes into the
+# main venv (pinned in constraints.txt; it changes no other package), the converter (optimum-intel, which pins an
+# older transformers) into a venv of its own in eaglet's cache, with this project's CPU torch. Not part of
+# install-test: without it the OpenVINO tests skip, naming this target.
+OPENVINO_DIR := $(or $(EAGLET_CACHE),$(HOME)/.cache/eaglet)/engines/openvino
+OPTIMUM_INTEL_VERSION ?= 2.2.0
+OPENVINO_STAMP := $(OPENVINO_DIR)/venv/.optimum-intel-$(OPTIMUM_INTEL_VERSION)
+engine-openvino: install $(OPENVINO_STAMP)
+	$(PIP_INSTALL) openvino-genai
+$(OPENVINO_STAMP):
+	$(SYSTEM_PYTHON) -m venv --clear $(OPENVINO_DIR)/venv
+	$(OPENVINO_DIR)/venv/bin/python -m pip install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	echo "torch==$$($(OPENVINO_DIR)/venv/bin/python -c 'import torch; print(torch.__version__)')" > $(OPENVINO_DIR)/torch.txt
+	$(OPENVINO_DIR)/venv/bin/python -m pip install -c $(OPENVINO_DIR)/torch.txt "optimum-intel[openvino]==$(OPTIMUM_INTEL_VERSION)" \
+	  $$(grep -E '^openvino(-tokenizers)?==' constraints.txt)
+	$(OPENVINO_DIR)/venv/bin/python -m pip uninstall -y torchvision 2>/dev/null || true
+	$(OPENVINO_DIR)/venv/bin/optimum-cli export openvino --help >/dev/null
 	touch $@
 
 # A real local Slurm for tests/test_slurm.py (Debian's slurm-wlm + munge); a no-op when installed.

@@ -1,21 +1,23 @@
 """Every stage at this machine's speed, variants side by side in one run: bf16 on AMX CPUs against fp32, the
 regeneration engines against each other, one table of ratios.
 
-regen: the real regen stage (`pipeline.regen.run.main`, multi-turn, resumable shards) on the same
-conversations of the quality experiment, greedy, once per engine:
-  - hf-fp32: in-process batched HF generate in float32 (the default before `auto` precision and llamacpp);
-  - hf-bf16: the same with the target in bfloat16;
-  - hf-bf16-static-compile: the same with a static KV cache and the forward torch.compile'd
-    (`regen.hf.cache=static regen.hf.compile=true`; compile time counts in its generation time: it recompiles
-    per batch shape, and that is what a regen run pays);
-  - llama.cpp: the real llama.cpp `llama-server` (continuous batching over parallel slots) serving the same
-    SmolLM2 GGUF, started by regen itself (`regen.backend=llamacpp`), one conversation per slot.
-tokens/s is generated answer tokens over generation time (the manifest's `generation_s`: model load and
-server start excluded, and reported). Answers of each engine are compared with hf-fp32's: the share of
-identical answers and the mean common prefix (in characters), so users see what an engine trades.
+regen: the real regen stage (`python -m pipeline.run stage=regen`, multi-turn, resumable shards, each engine
+in its own process so that its peak RSS is its own) on the same conversations of the quality experiment,
+greedy, once per engine of ENGINES below (each a registered regen backend, pipeline/regen/backends.py):
+  - llama.cpp: the llama.cpp server on the target's own GGUF (Q4_1 kernels), started by regen itself;
+  - vllm: vLLM's CPU build, a server regen starts itself (`make engine-vllm`);
+  - openvino: OpenVINO GenAI's continuous batching, in process, the target converted once (fp32 weights);
+  - ctranslate2: CTranslate2's batched generation, in process, the target converted once (fp32);
+  - hf-fp32 / hf-bf16 / hf-bf16-static-compile: in-process batched HF generate.
+Each row: the engine's version, tokens/s (generated answer tokens over generation time: the manifest's
+`generation_s`; model load, conversion and server start excluded and reported as startup_s), peak RSS (the
+stage process's plus its server's process tree) and agreement with HF fp32 greedy: the share of identical
+first answers and their mean common prefix in characters (`--reference hf-fp32-first-turns`, the default,
+answers just the first turns, which are exactly hf-fp32's). An engine that is not installed or fails gives
+its exact error instead. Ratios are over `--baseline` (llama.cpp).
 
-    python bench/bench_stages.py --conversations 128 --max-new-tokens 256 \
-        --llama-server ~/.cache/eaglet/llama.cpp/bin/llama-server   # make llama-server builds it there
+    python bench/bench_stages.py --conversations 32 --max-new-tokens 256 --stages regen \
+        --engines llama.cpp,vllm,openvino,ctranslate2 --work /tmp/engines   # a rerun reuses finished engines
 dump, train, eval: the real stages, fp32 against bf16 (`auto` on a CPU with fast bf16), on the regenerated
 conversations of the regen bench (the llama.cpp run's, else hf-fp32's):
   - dump: tokens/s (shard time, model load excluded), over the same body forward writing nothing on the same
@@ -63,6 +65,10 @@ WORKLOAD = SHARED / "sharegpt_sg92k_sample1000" / "sharegpt_1000.json"
 # Each engine row: the regen backend (pipeline/regen/backends.py) and the overrides that make it this engine.
 ENGINES: dict[str, tuple[str, list[str]]] = {
     "hf-fp32": ("hf", ["target.dtype=float32"]),
+    # The agreement reference at a fraction of hf-fp32's cost: the same conversations cut after their first
+    # user turn. Agreement compares first answers only, and these are generated in the same single padded
+    # batch as hf-fp32's first wave, so they are the very answers hf-fp32 gives.
+    "hf-fp32-first-turns": ("hf", ["target.dtype=float32"]),
     "hf-bf16": ("hf", ["target.dtype=bfloat16"]),
     "hf-bf16-static-compile": ("hf", ["target.dtype=bfloat16", "regen.hf.cache=static", "regen.hf.compile=true"]),
     "llama.cpp": ("llamacpp", ["target.dtype=float32"]),
@@ -85,6 +91,7 @@ def regen_once(work: Path, name: str, args, batch: int) -> dict:
                       f"regen.llamacpp.ctx_per_slot={args.ctx_per_slot}", f"regen.llamacpp.threads={args.threads}"]
     overrides += [o for o in args.engine_option if o.startswith(f"regen.{backend}.")]
     cfg = EagletConfig(name=name, output_root=str(work), regen=RegenConfig(backend=backend))
+    source = first_turns(work) if name.endswith("-first-turns") else WORKLOAD
     module = backends.module(backend)
     row = {"backend": backend, "version": module.version(), "overrides": overrides}
     done = cfg.stage_dir("regen") / "manifest.json"
@@ -93,7 +100,7 @@ def regen_once(work: Path, name: str, args, batch: int) -> dict:
         if reason is not None and backend != "hf":
             return {**row, "error": f"unavailable: {reason}"}
         command = [sys.executable, "-m", "pipeline.run", "stage=regen", f"name={name}", f"output_root={work}",
-                   f"data.sources=[{{path: '{WORKLOAD}', format: sharegpt, limit: {args.conversations}}}]",
+                   f"data.sources=[{{path: '{source}', format: sharegpt, limit: {args.conversations}}}]",
                    f"regen.batch_size={batch}", "regen.batches_per_shard=1",
                    f"regen.max_new_tokens={args.max_new_tokens}", "regen.progress=false", *overrides]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -115,6 +122,21 @@ def regen_once(work: Path, name: str, args, batch: int) -> dict:
             "server_startup_s": (generation.get("server") or {}).get("startup_s"),
             "peak_rss_mb": sum(r for r in rss if r) or None, "turns": manifest["counts"].get("turns"),
             "precision": generation.get("precision"), "answers": answers(cfg.stage_dir("regen"))}
+
+
+def first_turns(work: Path) -> Path:
+    """The workload with every conversation cut after its first user turn (written under --work, never
+    committed: the text is the data set's)."""
+    out = work / "first_turns.json"
+    if not out.is_file():
+        records = json.loads(WORKLOAD.read_text())
+        for record in records:
+            turns = record.get("conversations") or []
+            first = next((i for i, t in enumerate(turns) if t.get("from") in ("human", "user")), None)
+            record["conversations"] = [t for t in turns[:first + 1] if t.get("from") in ("system", "human", "user")
+                                       ] if first is not None else turns
+        out.write_text(json.dumps(records))
+    return out
 
 
 def answers(regen_dir: Path) -> dict[str, list[str]]:
@@ -140,32 +162,38 @@ def agreement(base: dict[str, list[str]], other: dict[str, list[str]]) -> dict:
 
 
 def bench_regen(args, work: Path) -> dict:
-    """Each engine once; every row is compared with hf-fp32's answers (the reference, always run)."""
+    """Each engine once on the workload; every row's first answers are compared with the reference's (HF fp32
+    greedy), and tokens/s is taken over the baseline's (the llama.cpp server, regen's engine before these)."""
     rows = {}
-    for name in [e for e in ENGINES if e in args.engines and e != "hf-fp32"] + ["hf-fp32"]:
+    order = [e for e in ENGINES if e in args.engines and e != args.reference] + [args.reference]
+    for name in order:
         # Servers take every conversation at once (they stream through the slots); hf generates padded batches.
         batch = args.hf_batch if ENGINES[name][0] == "hf" else args.conversations
         rows[name] = regen_once(work, name, args, batch)
         print(f"regen {name}: " + (rows[name].get("error") or f"{rows[name]['tokens_per_s']:.1f} tokens/s"),
               flush=True)
-    base = rows["hf-fp32"]
-    if "error" in base:
-        raise SystemExit(f"the hf-fp32 reference failed: {base['error']}")
+    ref = rows[args.reference]
+    if "error" in ref:
+        raise SystemExit(f"the {args.reference} reference failed: {ref['error']}")
+    base = rows.get(args.baseline) if "error" not in rows.get(args.baseline, {"error": 1}) else ref
+    base_name = args.baseline if base is not ref else args.reference
     for name, row in rows.items():
         if "error" in row:
             continue
-        row["ratio_to_hf_fp32"] = row["tokens_per_s"] / base["tokens_per_s"]
-        if name != "hf-fp32":
-            agree = agreement(base["answers"], row["answers"])
+        row[f"ratio_to_{base_name}"] = row["tokens_per_s"] / base["tokens_per_s"]
+        if name != args.reference:
+            agree = agreement(ref["answers"], row["answers"])
             row.update(identical=agree["identical_share"], mean_common_prefix=agree["mean_common_prefix_chars"],
                        first_turns_compared=agree["first_turns_compared"])
     for row in rows.values():
         row.pop("answers", None)
-    measured = [n for n in rows if "error" not in rows[n]]
+    measured = [n for n in rows if "error" not in rows[n] and not n.endswith("-first-turns")]
     best = max(measured, key=lambda n: rows[n]["tokens_per_s"])
     return {"workload": {"source": str(WORKLOAD.relative_to(REPO.parent)), "conversations": args.conversations,
                          "max_new_tokens": args.max_new_tokens, "temperature": 0},
-            "baseline": {"name": "hf-fp32", "tokens_per_s": base["tokens_per_s"]},
+            "machine": {"cpu": cpu_model(), "threads": args.threads},
+            "reference": args.reference,
+            "baseline": {"name": base_name, "tokens_per_s": base["tokens_per_s"]},
             "best": {"name": best, "tokens_per_s": rows[best]["tokens_per_s"]},
             "ratio": rows[best]["tokens_per_s"] / base["tokens_per_s"], "engines": rows}
 
@@ -352,8 +380,11 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)  # 128 conversations: the longest chain bounds the run
     ap.add_argument("--ctx-per-slot", type=int, default=8192)  # the model's context: no conversation refused
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default="hf-fp32,llama.cpp,vllm,openvino,ctranslate2",
-                    help=f"comma-separated, of {', '.join(ENGINES)}; hf-fp32, the reference, always runs")
+    ap.add_argument("--engines", default="llama.cpp,vllm,openvino,ctranslate2",
+                    help=f"comma-separated, of {', '.join(ENGINES)}; the reference always runs")
+    ap.add_argument("--reference", default="hf-fp32-first-turns", choices=["hf-fp32", "hf-fp32-first-turns"],
+                    help="whose first answers the others are compared with (HF fp32 greedy either way)")
+    ap.add_argument("--baseline", default="llama.cpp", help="the engine tokens/s ratios are taken over")
     ap.add_argument("--engine-option", action="append", default=[],
                     help="a regen.<backend>.<option>=<value> override for that engine's runs (repeatable)")
     ap.add_argument("--stages", default="regen,dump,train,eval")
@@ -381,7 +412,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         if "regen" in stages:
             result["regen"] = bench_regen(args, work)
-        regen_dir = next((work / e / "regen" for e in ("llama.cpp", "hf-fp32")
+        regen_dir = next((work / e / "regen" for e in ("llama.cpp", "openvino", "ctranslate2", "hf-fp32")
                           if (work / e / "regen" / "manifest.json").is_file()), None)
         if regen_dir is not None and "dump" in stages:
             result["dump"], cfgs = bench_dump(work, regen_dir, args.dump_conversations)

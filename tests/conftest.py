@@ -149,3 +149,19 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.fail(f"shared datasets not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def server_binary():
+    """llama.cpp's llama-server that `make llama-server` builds into eaglet's cache (make test builds it)."""
+    from pipeline.regen.config import LlamaCppConfig
+    from pipeline.regen.llama_server import binary_path, find_binary
+    from pipeline.target import TargetConfig
+
+    binary = find_binary(LlamaCppConfig(), TargetConfig())
+    if binary is None:
+        message = f"no llama-server at {binary_path(LlamaCppConfig(), TargetConfig())}: run `make llama-server`"
+        if os.environ.get("CI"):
+            pytest.fail(message)  # make test builds it; CI must not silently skip
+        pytest.skip(message)
+    return binary

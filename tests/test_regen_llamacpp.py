@@ -4,7 +4,6 @@ stops it however the run ends; `auto` picks it for a GGUF target on CPU and HF g
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -20,7 +19,6 @@ from pipeline.data.config import DataConfig
 from pipeline.manifest import load_manifest
 from pipeline.regen import run as regen_run
 from pipeline.regen.config import LlamaCppConfig, RegenConfig
-from pipeline.regen.llama_server import binary_path, find_binary
 from pipeline.target import TargetConfig
 
 ROWS = [
@@ -30,16 +28,6 @@ ROWS = [
     {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}]},
 ]
 
-
-@pytest.fixture(scope="module")
-def server_binary():
-    binary = find_binary(LlamaCppConfig(), TargetConfig())
-    if binary is None:
-        message = f"no llama-server at {binary_path(LlamaCppConfig(), TargetConfig())}: run `make llama-server`"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # make test builds it; CI must not silently skip
-        pytest.skip(message)
-    return binary
 
 
 def _cfg(tmp_path, backend: str, target: TargetConfig = None, **llamacpp) -> EagletConfig:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import threading
@@ -22,8 +21,8 @@ import pytest
 from pipeline.config import EagletConfig
 from pipeline.data.config import DataConfig
 from pipeline.regen import run as regen_run
-from pipeline.regen.config import LlamaCppConfig, OpenAIBackendConfig, RegenConfig
-from pipeline.regen.llama_server import binary_path, find_binary, free_port
+from pipeline.regen.config import OpenAIBackendConfig, RegenConfig
+from pipeline.regen.llama_server import free_port
 from pipeline.regen.openai_backend import OpenAIBackend, base_urls
 from pipeline.regen.run import RegenPending
 from pipeline.regen.shards import RegenDir
@@ -35,16 +34,6 @@ ROWS = [{"id": f"c{i}", "messages": [{"role": "user", "content": q}]} for i, q i
     "Give a tip for sleeping well.", "Describe a cat in one sentence."])] + [
     {"id": "mt", "turns": ["Name a colour.", "Why do you like it?", "Name another."]}]
 
-
-@pytest.fixture(scope="module")
-def binary():
-    found = find_binary(LlamaCppConfig(), TargetConfig())
-    if found is None:
-        message = f"no llama-server at {binary_path(LlamaCppConfig(), TargetConfig())}: run `make llama-server`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
 
 
 class Server:
@@ -127,10 +116,10 @@ def _when_journaled(cfg: EagletConfig, action, n: int = 1) -> threading.Thread:
 
 
 @pytest.fixture(scope="module")
-def reference(binary, tmp_path_factory):
+def reference(server_binary, tmp_path_factory):
     """The records of an uninterrupted run on one server."""
     tmp = tmp_path_factory.mktemp("reference")
-    server = Server(binary, tmp / "server.log").start()
+    server = Server(server_binary, tmp / "server.log").start()
     try:
         cfg = _cfg(tmp, "reference", server.url)
         assert regen_run.main(cfg)["written"] == len(ROWS)
@@ -140,8 +129,8 @@ def reference(binary, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_server_killed_mid_run_and_started_again_loses_nothing(tmp_path, binary, reference, caplog):
-    server = Server(binary, tmp_path / "server.log").start()
+def test_a_server_killed_mid_run_and_started_again_loses_nothing(tmp_path, server_binary, reference, caplog):
+    server = Server(server_binary, tmp_path / "server.log").start()
     cfg = _cfg(tmp_path, "restart", server.url)
 
     def outage():
@@ -163,12 +152,12 @@ def test_a_server_killed_mid_run_and_started_again_loses_nothing(tmp_path, binar
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["window", "pending"])
-def test_an_outage_stops_the_run_and_a_rerun_asks_exactly_the_pending_conversations(tmp_path, binary, reference,
+def test_an_outage_stops_the_run_and_a_rerun_asks_exactly_the_pending_conversations(tmp_path, server_binary, reference,
                                                                                      monkeypatch, stop):
     """window: the run stops once 2 of the last 4 conversations failed. pending: the window never trips, the
     run asks every conversation and ends with the failed ones pending. Either way nothing is marked done
     that was not answered, and a rerun once the server is back asks exactly what was not."""
-    server = Server(binary, tmp_path / "server.log").start()
+    server = Server(server_binary, tmp_path / "server.log").start()
     window = dict(max_failure_rate=0.25, failure_window=4) if stop == "window" else dict(max_failure_rate=1.0)
     # 2 retries with a 0.2 s backoff ride out no real outage.
     cfg = _cfg(tmp_path, f"outage-{stop}", server.url, openai=dict(max_retries=2, backoff_s=0.2), **window)
@@ -203,10 +192,10 @@ def test_an_outage_stops_the_run_and_a_rerun_asks_exactly_the_pending_conversati
 
 
 @pytest.mark.slow
-def test_two_servers_share_the_work_and_a_dead_ones_requests_go_to_the_other(tmp_path, binary, reference,
+def test_two_servers_share_the_work_and_a_dead_ones_requests_go_to_the_other(tmp_path, server_binary, reference,
                                                                               monkeypatch):
-    a = Server(binary, tmp_path / "a.log").start()
-    b = Server(binary, tmp_path / "b.log").start()
+    a = Server(server_binary, tmp_path / "a.log").start()
+    b = Server(server_binary, tmp_path / "b.log").start()
     cfg = _cfg(tmp_path, "two", [a.url, b.url])
     answered = {}
     real_close = OpenAIBackend.close

@@ -30,6 +30,8 @@ BACKENDS: dict[str, Entry] = {
                       "a llama.cpp server regen starts itself on the target's GGUF (CPU)"),
     "openai": Entry("pipeline.regen.openai_backend",
                     "OpenAI-compatible servers you run (vLLM, SGLang, llama.cpp): regen.openai.base_url"),
+    "vllm": Entry("pipeline.regen.vllm_server",
+                  "vLLM (its CPU build here): a server regen starts on the target's HF folder (make engine-vllm)"),
     "ctranslate2": Entry("pipeline.regen.ctranslate2_backend",
                          "CTranslate2 in process, the target converted once (batched generation per wave)"),
     "openvino": Entry("pipeline.regen.openvino_backend",

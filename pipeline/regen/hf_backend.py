@@ -12,9 +12,10 @@ from typing import Union
 
 import torch
 
-from pipeline.data.chat import ThinkingMode, check_thinking_template, render_prompt, stop_token_ids
-from pipeline.regen.batching import RegenItem, derive_seed
+from pipeline.data.chat import ThinkingMode, stop_token_ids
+from pipeline.regen.batching import derive_seed
 from pipeline.regen.config import HFGenerateConfig
+from pipeline.regen.in_process import TokenBackend
 from pipeline.regen.waves import Answer, Failure, Request
 from pipeline.target import Target
 
@@ -33,7 +34,7 @@ def compile_config(device: torch.device):
     return config
 
 
-class HFBackend:
+class HFBackend(TokenBackend):
     name = "hf"
     concurrency = 0  # one padded batch per wave (waves.py)
 
@@ -42,8 +43,7 @@ class HFBackend:
         if max_new_tokens < 1:
             raise ValueError(f"regen.max_new_tokens must be >= 1, got {max_new_tokens}")
         self.model, self.tokenizer, self.device = target.model, target.tokenizer, target.device
-        self.thinking = ThinkingMode.parse(thinking, "regen.thinking")
-        check_thinking_template(self.tokenizer, self.thinking)  # on/off need a template with the switch
+        self.set_thinking(thinking)
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -63,27 +63,14 @@ class HFBackend:
         else:
             self.generate_kwargs["disable_compile"] = True  # HF would otherwise compile a static cache on GPU
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return render_prompt(self.tokenizer, messages, thinking=self.thinking)
-
-    def prompt_length(self, item: RegenItem) -> int:
-        return len(self.prompt_ids(item.first_prompt()))
-
     def generate(self, requests: list[Request]) -> list[Union[Answer, Failure]]:
         prompts = [self.prompt_ids(r.messages) for r in requests]
-        results: list[Union[Answer, Failure, None]] = [None] * len(requests)
-        runnable = []
-        for i, ids in enumerate(prompts):
-            if self.max_positions and len(ids) + self.max_new_tokens > self.max_positions:
-                results[i] = Failure("prompt_too_long", f"{len(ids)} prompt tokens + max_new_tokens "
-                                     f"{self.max_new_tokens} > max_position_embeddings {self.max_positions}")
-            else:
-                runnable.append(i)
+        results, runnable = self.split_runnable(prompts)
         if runnable:
             seed = derive_seed(*(requests[i].seed for i in runnable))
             rows = self._generate_ids([prompts[i] for i in runnable], seed)
             for i, row in zip(runnable, rows):
-                results[i] = self._answer(row)
+                results[i] = self.answer(row)
         return results
 
     @torch.inference_mode()
@@ -101,15 +88,6 @@ class HFBackend:
             out = self.model.generate(input_ids=input_ids.to(self.device),
                                       attention_mask=attention_mask.to(self.device), **self.generate_kwargs)
         return out[:, width:].tolist()  # [B, new]: generated ids, pad after a row stopped
-
-    def _answer(self, new_ids: list[int]) -> Answer:
-        stop = next((t for t, tok in enumerate(new_ids) if tok in self.stop_ids), None)
-        if stop is None:
-            content, n_tokens, finish = new_ids[:self.max_new_tokens], min(len(new_ids), self.max_new_tokens), "length"
-        else:
-            content, n_tokens, finish = new_ids[:stop], stop + 1, "stop"
-        text = self.tokenizer.decode(content, skip_special_tokens=True)
-        return Answer(text=text, n_tokens=n_tokens, finish_reason=finish)
 
 
 # -- registry entry (pipeline/regen/backends.py) ------------------------------------------------------------

@@ -2,18 +2,11 @@
 answered through the OpenAI-compatible HTTP client (openai_backend.py) with one conversation per slot."""
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 from pathlib import Path
 from typing import Optional
 
-from pipeline.regen.openai_backend import (
-    OpenAIBackend,
-    refuse_own_template,
-    served_fingerprint,
-    served_tokenizer,
-    server_options,
-)
+from pipeline.regen.openai_backend import make_managed
 
 
 def unavailable(cfg) -> Optional[str]:
@@ -48,27 +41,10 @@ def make(cfg, info):
     from pipeline.target import resolve_source
 
     rcfg = cfg.regen
-    refuse_own_template(cfg, "llamacpp")
-    tokenizer = served_tokenizer(cfg)
     # The GGUF names the served model (what the server's /models lists varies with its version).
     generation = {"served_model": Path(resolve_source(cfg.target)[1]).name}
-    if rcfg.finalize_partial:  # writes a manifest only: nothing to serve
-        generation["base_url"] = ""
-        served = dataclasses.replace(rcfg.openai, base_url="", model="default")
-        return None, served_fingerprint(cfg, tokenizer, served), generation
-    server = start_server(cfg, info)
-    try:
-        served = dataclasses.replace(rcfg.openai, base_url=server.base_url, model="default",
-                                     concurrency=rcfg.llamacpp.slots, timeout_s=rcfg.llamacpp.timeout_s)
-        backend = OpenAIBackend(served, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
-                                server=server, **server_options(cfg))
-        fingerprint = served_fingerprint(cfg, tokenizer, served)
-    except BaseException:
-        server.close()
-        raise
-    generation["server"] = {"command": server.command[1:], "startup_s": round(server.startup_s, 2)}
-    generation["base_url"] = backend.base_url
-    return backend, fingerprint, generation
+    return make_managed(cfg, "llamacpp", generation, lambda: start_server(cfg, info), "default",
+                        rcfg.llamacpp.slots, rcfg.llamacpp.timeout_s)
 
 
 def start_server(cfg, info):

@@ -241,8 +241,9 @@ class OpenAIBackend:
             if self._own_server_died():
                 # Our own server died: these are not the conversations' failures. Raise, so the batch is not
                 # saved and a rerun (which starts a new server) generates it.
-                raise ServerUnavailable(f"llama-server exited with code {self.server.proc.returncode} during "
-                                        f"the run; see {self.server.log_path}") from None
+                name = getattr(self.server, "name", "the server")
+                raise ServerUnavailable(f"{name} exited with code {self.server.proc.returncode} during the run; "
+                                        f"see {self.server.log_path}") from None
             return Failure(e.reason, e.detail, e.attempts, retryable=e.retryable)
         try:
             choice = resp["choices"][0]
@@ -328,3 +329,33 @@ def make(cfg, info):
                             **server_options(cfg))
     return backend, served_fingerprint(cfg, tokenizer, rcfg.openai), {"served_model": backend.model,
                                                                       "base_url": backend.base_url}
+
+
+def make_managed(cfg, name: str, generation: dict, start, model: str, concurrency: int, timeout_s: float,
+                 server_info: Optional[dict] = None):
+    """`make` of a backend whose server regen starts itself (llamacpp, vllm): `start()` gives the running
+    server (managed_server.ManagedServer), talked to through OpenAIBackend with `concurrency` requests in
+    flight; `generation` (what names the served model) gains the server's command and start-up time."""
+    import dataclasses
+
+    rcfg = cfg.regen
+    refuse_own_template(cfg, name)
+    tokenizer = served_tokenizer(cfg)
+    if rcfg.finalize_partial:  # writes a manifest only: nothing to serve
+        generation["base_url"] = ""
+        served = dataclasses.replace(rcfg.openai, base_url="", model="default")
+        return None, served_fingerprint(cfg, tokenizer, served), generation
+    server = start()
+    try:
+        served = dataclasses.replace(rcfg.openai, base_url=server.base_url, model=model, concurrency=concurrency,
+                                     timeout_s=timeout_s)
+        backend = OpenAIBackend(served, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
+                                server=server, **server_options(cfg))
+        fingerprint = served_fingerprint(cfg, tokenizer, served)
+    except BaseException:
+        server.close()
+        raise
+    generation["server"] = {"command": server.command[1:], "startup_s": round(server.startup_s, 2),
+                            **(server_info or {})}
+    generation["base_url"] = backend.base_url
+    return backend, fingerprint, generation

@@ -34,9 +34,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Optional, Union
 
-from pipeline.data.chat import ThinkingMode, check_thinking_template, render_prompt
-from pipeline.regen.batching import RegenItem
+from pipeline.data.chat import ThinkingMode
 from pipeline.regen.config import OpenVINOConfig
+from pipeline.regen.in_process import TokenBackend
 from pipeline.regen.waves import Answer, Failure, Request
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def version() -> Optional[str]:
 
 
 def _options(cfg) -> OpenVINOConfig:
-    return getattr(cfg.regen, "openvino", None) or OpenVINOConfig()
+    return cfg.regen.openvino
 
 
 def converter_python(cfg, options: OpenVINOConfig) -> Path:
@@ -151,7 +151,7 @@ class EngineDied(RuntimeError):
     pass
 
 
-class OpenVINOBackend:
+class OpenVINOBackend(TokenBackend):
     name = "openvino"
 
     def __init__(self, model_dir: str, tokenizer, stop_ids: list[int], max_new_tokens: int,
@@ -166,8 +166,7 @@ class OpenVINOBackend:
         options = options or OpenVINOConfig()
         self.tokenizer, self.stop_ids, self.max_new_tokens = tokenizer, list(stop_ids), max_new_tokens
         self.temperature, self.top_p, self.max_positions = temperature, top_p, max_positions
-        self.thinking = ThinkingMode.parse(thinking, "regen.thinking")
-        check_thinking_template(tokenizer, self.thinking)  # on/off need a template with the switch
+        self.set_thinking(thinking)
         self.concurrency = max(0, options.concurrency)
         self.threads = options.threads or default_threads()
         scheduler = genai.SchedulerConfig()
@@ -260,39 +259,18 @@ class OpenVINOBackend:
 
     # -- the Backend protocol ---------------------------------------------------------------------------
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return render_prompt(self.tokenizer, messages, thinking=self.thinking)
-
-    def prompt_length(self, item: RegenItem) -> int:
-        return len(self.prompt_ids(item.first_prompt()))
-
-    def _check(self, ids: list[int]) -> Optional[Failure]:
-        if self.max_positions and len(ids) + self.max_new_tokens > self.max_positions:
-            return Failure("prompt_too_long", f"{len(ids)} prompt tokens + max_new_tokens {self.max_new_tokens} "
-                           f"> max_position_embeddings {self.max_positions}")
-        return None
-
     def generate(self, requests: list[Request]) -> list[Union[Answer, Failure]]:
         pending: list[Union[Failure, Future]] = []
         for r in requests:
             ids = self.prompt_ids(r.messages)
-            pending.append(self._check(ids) or self._submit(ids, r.seed))
+            pending.append(self.too_long(ids) or self._submit(ids, r.seed))
         return [p if isinstance(p, Failure) else self._answer(p.result()) for p in pending]
+
+    def _answer(self, output) -> Union[Answer, Failure]:
+        return output if isinstance(output, Failure) else self.answer(list(output.generated_ids))
 
     def complete(self, request: Request) -> Union[Answer, Failure]:
         return self.generate([request])[0]
-
-    def _answer(self, output) -> Union[Answer, Failure]:
-        if isinstance(output, Failure):
-            return output
-        new_ids = list(output.generated_ids)
-        stop = next((t for t, tok in enumerate(new_ids) if tok in self.stop_ids), None)
-        if stop is None:
-            content, n_tokens, finish = new_ids[:self.max_new_tokens], min(len(new_ids), self.max_new_tokens), "length"
-        else:
-            content, n_tokens, finish = new_ids[:stop], stop + 1, "stop"
-        text = self.tokenizer.decode(content, skip_special_tokens=True)
-        return Answer(text=text, n_tokens=n_tokens, finish_reason=finish)
 
     def close(self) -> None:
         with self._wake:

