@@ -93,7 +93,8 @@ def test_cli_unknown_stage_names_the_choices_not_a_traceback(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("train.schedule=cosin", "Invalid value 'cosin', expected one of [cosine, linear, constant]"),
-    ("regen.backend=llama", "Invalid value 'llama', expected one of [auto, hf, llamacpp, openai]"),
+    ("regen.backend=llama",
+     "Invalid value 'llama', expected one of [auto, hf, llamacpp, openai, vllm, ctranslate2, openvino]"),
     ("data.on_bad_record=ignore", "Invalid value 'ignore', expected one of [skip, fail]"),
     ("export.dtype=int8", "Invalid value 'int8', expected one of [bfloat16, float32]"),
     ("head.kind=eagle2", "unknown head kind 'eagle2': registered kinds are ['eagle1', 'eagle3', 'medusa']"),
