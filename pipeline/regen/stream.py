@@ -69,10 +69,6 @@ class _Batch:
     spent_s: float = 0.0  # generation seconds of earlier runs (journal)
     left: int = 0  # conversations not answered yet
 
-    @property
-    def pending(self) -> bool:
-        return any(f.get("retryable") for f in self.failed.values())
-
 
 def stream_rank(out: RegenDir, plan: Plan, items: list[RegenItem], shards: list[int], rank: int, backend,
                 seed: int, on_degenerate: str, window: FailureWindow, on_answer: Callable[[int], None] = lambda n: None,
