@@ -105,7 +105,7 @@ class EagletConfig:
     @property
     def target_precision(self) -> str:
         """The target's compute dtype name (`auto` resolved on this machine)."""
-        from pipeline.precision import dtype_name
-        from pipeline.target import resolve_device, resolve_dtype
+        from pipeline.precision import dtype_name, resolve_dtype
+        from pipeline.target import resolve_device
 
-        return dtype_name(resolve_dtype(self.target.dtype, resolve_device(self.target.device)))
+        return dtype_name(resolve_dtype(self.target.dtype, resolve_device(self.target.device), "target.dtype"))

@@ -136,19 +136,6 @@ def export_slurm_ranks() -> None:
             raise RuntimeError("multi-task Slurm launch: export MASTER_ADDR (the first node's hostname)")
 
 
-def head_target(target, target_cfg):
-    """What a draft head copies its frozen weights from (embedding, lm_head, final norm): `target` itself, or for
-    a tensor-parallel target (whose weights are DTensor shards) its parts read whole from the stored files, in its
-    precision on its device (`load_target_parts`: the same values and fingerprint)."""
-    import dataclasses
-
-    if int(getattr(target_cfg, "tensor_parallel", 1)) == 1:
-        return target
-    from pipeline.target import load_target_parts
-
-    return load_target_parts(dataclasses.replace(target_cfg, device=str(target.device), dtype=target.precision))
-
-
 _MESHES: dict = {}
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
-import hashlib
 import json
 import logging
-import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
+
+from pipeline.files import atomic_write_text, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +79,15 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
-def digest_file(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def file_problem(path: Path, size: Optional[int], sha256: Optional[str]) -> Optional[str]:
     """What is wrong with a file against its recorded size and sha256 (None: not checked): missing,
     truncated/extended, or corrupt. None when it matches."""
-    from pipeline.target import file_sha256
-
     path = Path(path)
     if not path.is_file():
         return "missing"
     if size is not None and path.stat().st_size != size:
         return f"{path.stat().st_size} bytes, recorded {size} (truncated?)"
-    if sha256 is not None and (sha := file_sha256(path)) != sha256:
+    if sha256 is not None and (sha := sha256_file(path)) != sha256:
         return f"sha256 {sha[:16]}... but recorded {sha256[:16]}... (corrupt)"
     return None
 
@@ -101,12 +95,10 @@ def file_problem(path: Path, size: Optional[int], sha256: Optional[str]) -> Opti
 def file_digests(directory: Path, names: Optional[Iterable[str]] = None) -> dict[str, dict]:
     """{name: {"bytes", "sha256"}} of `names` in `directory`, or of every file below it (relative paths);
     what `check_files` holds a directory to when it is loaded again."""
-    from pipeline.target import file_sha256
-
     directory = Path(directory)
     if names is None:
         names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
-    return {n: {"bytes": (directory / n).stat().st_size, "sha256": file_sha256(directory / n)} for n in names}
+    return {n: {"bytes": (directory / n).stat().st_size, "sha256": sha256_file(directory / n)} for n in names}
 
 
 def check_files(directory: Path, recorded: dict, what: str, repair: str) -> None:
@@ -115,28 +107,6 @@ def check_files(directory: Path, recorded: dict, what: str, repair: str) -> None
                 if (p := file_problem(Path(directory) / name, rec["bytes"], rec["sha256"]))]
     if problems:
         raise ManifestError(f"{what} {directory}: " + "; ".join(problems) + f"; {repair}")
-
-
-def default_cache_root() -> Path:
-    """eaglet's cache ($EAGLET_CACHE or ~/.cache/eaglet): dequantized targets, llama-server, precision."""
-    return Path(os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet").expanduser()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the whole new one, never a torn one:
-    a per-process temporary in the same folder, fsynced, then renamed over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not also be left fuller by our temporaries
-        raise
 
 
 def peak_rss_mb() -> Optional[float]:
@@ -162,7 +132,7 @@ def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "code_version": code_version(),
         "config": to_plain(config),
-        "inputs": [{"path": str(p), "manifest_sha256": digest_file(Path(p) / MANIFEST)} for p in inputs],
+        "inputs": [{"path": str(p), "manifest_sha256": sha256_file(Path(p) / MANIFEST)} for p in inputs],
         "counts": to_plain(counts),
         "timings": to_plain({**timings, "peak_rss_mb": peak_rss_mb()}),
         **to_plain(extra),

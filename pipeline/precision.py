@@ -21,10 +21,11 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import torch
 
-from pipeline.manifest import atomic_write_text, default_cache_root
+from pipeline.files import atomic_write_text, default_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,22 @@ def fast_bf16(device_type: str) -> bool:
     return _cpu_decision()
 
 
-def resolve_dtype(name: str, device: torch.device, what: str = "dtype") -> torch.dtype:
-    """`auto` -> bf16 where fast on `device`, else fp32; anything else is parsed as a dtype name."""
-    if name == "auto":
-        return torch.bfloat16 if fast_bf16(device.type) else torch.float32
-    return parse_dtype(name, what)
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX-BF16) rather than converting to fp32, from
+    /proc/cpuinfo: what a server in another process (vLLM) will find, without measuring here."""
+    flags = next((line for line in _cpuinfo() if line.startswith("flags")), "")
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def resolve_dtype(name: str, device: torch.device, what: str = "dtype", choices: Optional[Iterable[str]] = None,
+                  bf16_is_fast: Optional[Callable[[torch.device], bool]] = None) -> torch.dtype:
+    """The one reading of a configured dtype: a name or alias, or `auto` (or empty): bf16 where fast on `device`
+    (`bf16_is_fast`, by default this machine's measured decision, `fast_bf16`), else fp32. `choices` narrows
+    the names a setting accepts; `what` names the setting in the error."""
+    if name in ("auto", ""):
+        fast = bf16_is_fast(device) if bf16_is_fast is not None else fast_bf16(device.type)
+        return torch.bfloat16 if fast else torch.float32
+    dtype = parse_dtype(name, what)
+    if choices is not None and dtype_name(dtype) not in (allowed := list(choices)):
+        raise ValueError(f"{what}={name!r}: choose one of {', '.join(allowed)}")
+    return dtype

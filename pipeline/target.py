@@ -10,15 +10,15 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from pipeline import precision
+from pipeline.files import atomic_write_text, default_cache_root, sha256_file
 from pipeline.lock import first_writer_lock
-from pipeline.manifest import atomic_write_text, default_cache_root
 from pipeline.precision import dtype_name, parse_dtype
 from pipeline.target_files import StoredCheckpoint
 
@@ -105,10 +105,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    return precision.resolve_dtype(name, device, "target.dtype")
-
-
 # ---------------------------------------------------------------------------------------------
 # source resolution and the GGUF cache
 
@@ -185,14 +181,6 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, Optional[Path]]:
     return "hub", None
 
 
-def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def gguf_cache_dir(cfg: TargetConfig, gguf: Path) -> Path:
     # Keyed by content, so a changed file never reuses a stale cache.
     stat = gguf.stat()
@@ -200,7 +188,7 @@ def gguf_cache_dir(cfg: TargetConfig, gguf: Path) -> Path:
     stamps = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     if key not in stamps:
-        stamps[key] = file_sha256(gguf)
+        stamps[key] = sha256_file(gguf)
         stamp_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(stamp_file, json.dumps(stamps, indent=1))
     return cache_root(cfg) / "targets" / f"{gguf.stem}-{stamps[key][:16]}-v{CACHE_FORMAT}"
@@ -478,7 +466,7 @@ def check_tensor_parallel(hf_config, tp: int, location: str) -> None:
 
 def load_target(cfg: TargetConfig) -> Target:
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = precision.resolve_dtype(cfg.dtype, device, "target.dtype")
     location, source = materialize(cfg)
     t0 = time.time()
     model = _from_pretrained(location, cfg, dtype, sharded=True)
@@ -573,7 +561,7 @@ def load_target_parts(cfg: TargetConfig) -> Target:
     norm) plus the tokenizer and the same fingerprint `load_target` gives. Memory: those tensors, not the
     model (a 70B target's parts are about 4 GB in bf16, against 140 GB)."""
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = precision.resolve_dtype(cfg.dtype, device, "target.dtype")
     location, source = materialize(cfg)
     t0 = time.time()
     parts, (digest, renamed) = load_parts(location, cfg, dtype, device)
@@ -585,3 +573,12 @@ def load_target_parts(cfg: TargetConfig) -> Target:
              location, time.time() - t0, device, dtype)
     return Target(model=parts, tokenizer=tokenizer, device=device, dtype=dtype, fingerprint=fingerprint,
                   source=location)
+
+
+def head_target(target, target_cfg):
+    """What a draft head copies its frozen weights from (embedding, lm_head, final norm): `target` itself, or for
+    a tensor-parallel target (whose weights are DTensor shards) its parts read whole from the stored files, in its
+    precision on its device (`load_target_parts`: the same values and fingerprint)."""
+    if int(getattr(target_cfg, "tensor_parallel", 1)) == 1:
+        return target
+    return load_target_parts(replace(target_cfg, device=str(target.device), dtype=target.precision))

@@ -31,11 +31,12 @@ from pipeline.export.exporter import (
     tensor_infos,
 )
 from pipeline.export.formats.sglang import sglang_captured_layers, sglang_layers_agree
+from pipeline.files import sha256_file
 from pipeline.heads import HeadConfig, build_draft_head, default_aux_layer_ids
 from pipeline.heads.config import DraftHeadConfig
 from pipeline.heads.io import save_head
 from pipeline.heads.vocab import vocab_from_ids
-from pipeline.manifest import digest_file, load_manifest, write_manifest
+from pipeline.manifest import load_manifest, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 ROPE_THETA = 500000.0  # not the 10000 default: the config must carry the value the head was trained with
@@ -373,7 +374,7 @@ def test_stage_exports_verifies_and_prints_the_serve_commands(tiny_model, tiny_m
            f""""num_speculative_tokens": 3}}'""" in printed
     manifest = load_manifest(out, expect_stage="export")
     assert manifest["format"] == "sglang" and manifest["counts"]["tensors"] == len(SGLANG_TENSORS)
-    assert manifest["inputs"] == [{"path": str(train_dir), "manifest_sha256": digest_file(train_dir / "manifest.json")}]
+    assert manifest["inputs"] == [{"path": str(train_dir), "manifest_sha256": sha256_file(train_dir / "manifest.json")}]
     assert {t.name for t in tensor_infos(out)} == SGLANG_TENSORS
 
     cfg.export = ExportConfig(format="vllm", dtype="float32", verify=True)

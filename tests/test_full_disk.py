@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.export.run import main as export_main
+from pipeline.files import sha256_file
 from pipeline.manifest import MANIFEST, disk_full
 from pipeline.regen.run import main as regen_main
-from pipeline.target import file_sha256
 from pipeline.train.run import main as train_main
 from tests.test_integrity import DUMP, train_cfg
 from tests.test_regen import _cfg as regen_cfg
@@ -60,7 +60,7 @@ def used_bytes(path: Path) -> int:
 
 def files(path: Path, pattern: str = "*") -> dict[str, str]:
     """sha256 of each file below `path` but the manifest and the lock (timings and pids differ by run)."""
-    return {str(p.relative_to(path)): file_sha256(p) for p in sorted(path.rglob(pattern))
+    return {str(p.relative_to(path)): sha256_file(p) for p in sorted(path.rglob(pattern))
             if p.is_file() and p.name != MANIFEST and not p.name.startswith(".eaglet-lock")}
 
 

@@ -15,10 +15,11 @@ import torch
 
 from pipeline.export.exporter import load_export
 from pipeline.export.run import main as export_main
+from pipeline.files import atomic_write_text, sha256_file
 from pipeline.heads.io import FINAL, HEAD_WEIGHTS, NonFiniteWeights, load_head
 from pipeline.hidden_states.reader import DumpReader
-from pipeline.manifest import MANIFEST, ManifestError, atomic_write_text, file_digests, load_manifest
-from pipeline.target import file_sha256, load_target
+from pipeline.manifest import MANIFEST, ManifestError, file_digests, load_manifest
+from pipeline.target import load_target
 from pipeline.train.loop import NonFiniteError
 from pipeline.train.run import main as train_main
 from tests.test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, tiny_target
@@ -55,7 +56,7 @@ def rerecord_shard(dump_dir: Path, file: str) -> None:
     manifest = load_manifest(dump_dir)
     for entry in manifest["shards"]:
         if entry["file"] == file:
-            entry["sha256"] = file_sha256(dump_dir / file)
+            entry["sha256"] = sha256_file(dump_dir / file)
     atomic_write_text(dump_dir / MANIFEST, json.dumps(manifest, indent=2))
 
 

@@ -21,7 +21,7 @@ from pipeline.manifest import load_manifest
 from pipeline.regen import run as regen_run
 from pipeline.regen.config import RegenConfig
 from pipeline.regen.managed_server import process_tree
-from pipeline.regen.vllm_server import VLLMConfig, VLLMServer, find_vllm, resolve_dtype, venv_path
+from pipeline.regen.vllm_server import VLLMConfig, VLLMServer, find_vllm, server_dtype, venv_path
 from pipeline.target import TargetConfig
 
 ROWS = [
@@ -76,7 +76,7 @@ def test_managed_vllm_regenerates_every_turn_and_stops(tmp_path, vllm_venv, monk
     assert summary["written"] == 2 and summary["turns"] == 3 and summary["failed"] == 0, summary
     manifest = load_manifest(cfg.stage_dir("regen"), expect_stage="regen")
     generation = manifest["generation"]
-    assert generation["backend"] == "vllm" and generation["precision"] == resolve_dtype("")
+    assert generation["backend"] == "vllm" and generation["precision"] == server_dtype("")
     assert generation["served_model"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert generation["server"]["version"] and generation["server"]["startup_s"] > 0
     command = generation["server"]["command"]

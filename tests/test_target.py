@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline import precision
-from pipeline.target import TargetConfig, load_target, resolve_dtype, weights_digest
+from pipeline.target import TargetConfig, load_target, weights_digest
 
 
 def test_local_hf_directory_and_fingerprint(tiny_model_dir, tmp_path):
@@ -41,12 +41,13 @@ def test_auto_precision_is_the_capability_and_explicit_names_win(monkeypatch, fr
     for flag, want in (("1", torch.bfloat16), ("0", torch.float32)):
         monkeypatch.setenv(precision.ENV_OVERRIDE, flag)
         precision.fast_bf16.cache_clear()
-        assert resolve_dtype("auto", cpu) == want
-        assert resolve_dtype("float32", cpu) == torch.float32 and resolve_dtype("bf16", cpu) == torch.bfloat16
+        assert precision.resolve_dtype("auto", cpu) == want
+        assert precision.resolve_dtype("float32", cpu) == torch.float32
+        assert precision.resolve_dtype("bf16", cpu) == torch.bfloat16
     monkeypatch.setenv(precision.ENV_OVERRIDE, "yes")
     precision.fast_bf16.cache_clear()
     with pytest.raises(ValueError, match="EAGLET_FAST_BF16"):
-        resolve_dtype("auto", cpu)
+        precision.resolve_dtype("auto", cpu)
     monkeypatch.delenv(precision.ENV_OVERRIDE)
     precision.fast_bf16.cache_clear()
     # Without the override: torch's capability query, confirmed by a measurement (a ratio, always positive),
@@ -66,7 +67,9 @@ def test_missing_paths_are_clear():
     with pytest.raises(FileNotFoundError, match="is not installed"):
         load_target(TargetConfig(path="", gguf_package="no_such_pkg_eaglet"))
     with pytest.raises(ValueError, match="target.dtype"):
-        resolve_dtype("float8", torch.device("cpu"))
+        precision.resolve_dtype("float8", torch.device("cpu"), "target.dtype")
+    with pytest.raises(ValueError, match="export.dtype='fp16': choose one of bfloat16, float32"):
+        precision.resolve_dtype("fp16", torch.device("cpu"), "export.dtype", choices=("bfloat16", "float32"))
 
 
 @pytest.mark.slow

@@ -20,11 +20,12 @@ import torch
 
 from pipeline.config import EagletConfig, TargetConfig, WandbConfig
 from pipeline.data.config import DataConfig, SourceConfig
+from pipeline.files import sha256_file
 from pipeline.heads import HeadConfig
 from pipeline.heads.io import load_head
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.reader import DumpReader
-from pipeline.manifest import ManifestError, digest_file, load_manifest
+from pipeline.manifest import ManifestError, load_manifest
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import StepSchedule, collate, epoch_batches, pack, split_train_val, subsample
@@ -295,7 +296,7 @@ def test_eagle3_trains_end_to_end_with_offline_wandb(dump_root, tiny_model_dir, 
     assert (train_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     manifest = load_manifest(train_dir, expect_stage="train")
     dump_dir = dump_root / EXPERIMENT / "dump"
-    assert manifest["inputs"][0]["manifest_sha256"] == digest_file(dump_dir / "manifest.json")
+    assert manifest["inputs"][0]["manifest_sha256"] == sha256_file(dump_dir / "manifest.json")
     assert manifest["counts"]["steps"] == 10
 
     # final/: trained weights + vocab maps, no frozen target copies; rope_theta as trained.

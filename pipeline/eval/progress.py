@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.eval.evaluate import TurnRecord, record_dict
-from pipeline.manifest import atomic_write_text
+from pipeline.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

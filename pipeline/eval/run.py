@@ -11,7 +11,7 @@ import torch
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import check_thinking, render_prompt, stop_token_ids
-from pipeline.dist import TargetLayout, head_target, rank_info, rank_target_config, target_layout
+from pipeline.dist import TargetLayout, rank_info, rank_target_config, target_layout
 from pipeline.eval.autotree import choose_tree
 from pipeline.eval.drafter import lockstep, make_drafter
 from pipeline.eval.evaluate import answer_questions, record_dict, system_messages
@@ -19,9 +19,10 @@ from pipeline.eval.lookup import PromptLookupDrafter
 from pipeline.eval.progress import EvalProgress
 from pipeline.eval.questions import load_questions
 from pipeline.eval.report import format_summary, log_wandb, plot_summary, summarize
+from pipeline.files import atomic_write_text, sha256_file
 from pipeline.heads.io import load_head
-from pipeline.manifest import MANIFEST, atomic_write_text, digest_file, load_manifest, to_plain, write_manifest
-from pipeline.target import load_target
+from pipeline.manifest import MANIFEST, load_manifest, to_plain, write_manifest
+from pipeline.target import head_target, load_target
 
 log = logging.getLogger(__name__)
 TREE_CHOICE = "tree_choice.json"
@@ -109,7 +110,7 @@ def main(cfg) -> dict:
                 **({"thinking": str(cfg.regen.thinking)} if cfg.regen.thinking != "template" else {})}
     identity = {"settings": settings, "seed": cfg.eval.seed, "baseline": cfg.eval.baseline,
                 "baseline_limit": cfg.eval.baseline_limit, "system_prompt": cfg.data.system_prompt,
-                **({"head_manifest_sha256": digest_file(inputs[0] / MANIFEST)} if inputs else
+                **({"head_manifest_sha256": sha256_file(inputs[0] / MANIFEST)} if inputs else
                    {"drafter": drafter_info}),
                 "questions_sha256": hashlib.sha256(json.dumps([[q.id, q.system, q.turns] for q in questions])
                                                    .encode()).hexdigest()}

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.manifest import ManifestError, atomic_write_text, check_files, check_target, load_manifest
+from pipeline.files import atomic_write_text
+from pipeline.manifest import ManifestError, check_files, check_target, load_manifest
 
 from .config import DraftHeadConfig
 from .registry import build_draft_head

@@ -23,6 +23,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.dist import RankInfo, TargetLayout, rank_info, shard_for_rank
+from pipeline.files import atomic_write_text
 from pipeline.hidden_states.capture import (
     CONVENTION,
     FINAL_FEATURE,
@@ -46,7 +47,7 @@ from pipeline.hidden_states.shards import (
     shard_metadata,
     shard_name,
 )
-from pipeline.manifest import MANIFEST, atomic_write_text, write_manifest
+from pipeline.manifest import MANIFEST, write_manifest
 
 log = logging.getLogger(__name__)
 

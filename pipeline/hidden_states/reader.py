@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.files import sha256_file
 from pipeline.hidden_states.capture import CONVENTION
 from pipeline.hidden_states.shards import (
     DTYPES,
@@ -45,16 +46,7 @@ from pipeline.hidden_states.shards import (
     stat_key,
     verdict,
 )
-from pipeline.manifest import (
-    MANIFEST,
-    ManifestError,
-    check_equal,
-    check_target,
-    digest_file,
-    file_problem,
-    load_manifest,
-)
-from pipeline.target import file_sha256
+from pipeline.manifest import MANIFEST, ManifestError, check_equal, check_target, file_problem, load_manifest
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +222,7 @@ class DumpReader:
 
     def _index_cache_path(self) -> Optional[Path]:
         try:
-            return self.dir / INDEX_DIR / f"{digest_file(self.dir / MANIFEST)}.npz"
+            return self.dir / INDEX_DIR / f"{sha256_file(self.dir / MANIFEST)}.npz"
         except OSError:
             return None
 
@@ -405,7 +397,7 @@ def verify_shards(dump_dir: Union[str, Path], rank: int = 0, world_size: int = 1
         if (entry["sha256"], *stat_key(st)) in known.get(name, ()):
             report.trusted += 1
             continue
-        sha = file_sha256(path)
+        sha = sha256_file(path)
         report.hashed += 1
         if sha != entry["sha256"]:
             report.problems.append(f"{name}: sha256 {sha[:16]}... but recorded {entry['sha256'][:16]}... (corrupt)")

@@ -33,8 +33,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.files import sha256_file
 from pipeline.precision import DTYPES, dtype_name, parse_dtype
-from pipeline.target import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class ShardWriter:
             os.fsync(fd)  # the rename must never expose a file whose bytes are not on disk yet
         finally:
             os.close(fd)
-        sha = file_sha256(self.tmp)
+        sha = sha256_file(self.tmp)
         before = os.stat(self.tmp)
         os.replace(self.tmp, self.path)
         st = os.stat(self.path)
@@ -193,7 +193,7 @@ def shard_entry(path: Path) -> dict:
         rows = sum(b.num_rows for b in batches)
         tokens = sum(len(b.column(1).values) for b in batches)
     return {"file": path.name, "rows": rows, "tokens": tokens, "bytes": path.stat().st_size,
-            "sha256": file_sha256(path)}
+            "sha256": sha256_file(path)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -274,7 +274,8 @@ def load_verified(dump_dir: Path) -> dict[str, set]:
 def compact_record(dump_dir: Path, who: str, rank: Optional[int] = None) -> None:
     """Rewrites this rank's record keeping the last verdict per file (the record otherwise grows by one line
     per shard with every forced verification). Best effort: a line lost to a concurrent append is a rehash."""
-    from pipeline.manifest import STALE_TMP_S, atomic_write_text
+    from pipeline.files import atomic_write_text
+    from pipeline.manifest import STALE_TMP_S
 
     path = record_path(dump_dir, who, rank)
     try:

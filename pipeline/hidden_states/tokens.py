@@ -27,10 +27,11 @@ import numpy as np
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import ThinkingMode
+from pipeline.files import sha256_file
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
 from pipeline.hidden_states.plan import TokenizedSample
 from pipeline.lock import first_writer_lock
-from pipeline.manifest import MANIFEST, digest_file, to_plain
+from pipeline.manifest import MANIFEST, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def source_stamps(data_cfg) -> list:
 def tokens_key(cfg, fingerprint: dict, inputs: Sequence[Path]) -> str:
     doc = {"version": TOKENS_VERSION, "tokenizer": fingerprint.get("tokenizer_digest"),
            "input": str(cfg.dump.input),
-           "source": [digest_file(Path(d) / MANIFEST) for d in inputs] or
+           "source": [sha256_file(Path(d) / MANIFEST) for d in inputs] or
                      {"config": to_plain(cfg.data), "files": source_stamps(cfg.data)},
            "data": {k: to_plain(getattr(cfg.data, k)) for k in
                     ("max_length", "overlength", "system_prompt", "max_turn_chars", "on_bad_record")},

@@ -101,7 +101,7 @@ class OpenVINOConfig:
     cache_dir: Optional[str] = None  # converted models; None: <eaglet cache>/engines/openvino/models
 
 
-# regen.vllm.dtype: "" picks bfloat16 where the CPU computes it, else float32 (vllm_server.resolve_dtype).
+# regen.vllm.dtype: "" picks bfloat16 where the CPU computes it, else float32 (vllm_server.server_dtype).
 VLLM_DTYPES = ("", "bfloat16", "float32", "float16", "auto")
 
 
@@ -113,7 +113,7 @@ class VLLMConfig:
     venv: str = ""
     max_num_seqs: int = 64  # sequences batched at once (conversations in flight)
     # Empty: bfloat16 where the CPU computes it (AVX512-BF16 / AMX), else float32: vLLM's CPU build accepts
-    # bfloat16 without them too but converts it, at half fp32's speed (resolve_dtype). Or bfloat16 | float32 |
+    # bfloat16 without them too but converts it, at half fp32's speed (server_dtype). Or bfloat16 | float32 |
     # float16 | auto (vLLM's: the config's dtype, float32 downcast to bfloat16).
     dtype: str = ""
     # Tokens per sequence (history + answer), capped at the model's context: a longer turn is refused

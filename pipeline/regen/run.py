@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from tqdm.auto import tqdm
 
@@ -28,14 +28,12 @@ from pipeline.regen.shards import RegenDir, sum_stats
 from pipeline.regen.stream import FailureWindow, stream_rank
 from pipeline.regen.waves import BatchResult, regen_batch
 
-if TYPE_CHECKING:
-    from pipeline.config import EagletConfig
-
 log = logging.getLogger(__name__)
 
 
-def main(cfg: EagletConfig) -> Optional[dict]:
-    """Returns the run summary on rank 0 (None on other ranks)."""
+def main(cfg) -> Optional[dict]:
+    """Returns the run summary on rank 0 (None on other ranks). `cfg` is the root config (pipeline.config, the
+    entry point's): regen reads its `regen`, `data` and `target` sections and its stage folders."""
     rcfg = cfg.regen
     _check(rcfg)
     info = rank_info()
@@ -55,7 +53,7 @@ def main(cfg: EagletConfig) -> Optional[dict]:
             backend.close()
 
 
-def _run(cfg: EagletConfig, info: RankInfo, items: list[RegenItem], report: BadRecordReport, backend,
+def _run(cfg, info: RankInfo, items: list[RegenItem], report: BadRecordReport, backend,
          fingerprint: dict, generation: dict, t0: float) -> Optional[dict]:
     rcfg = cfg.regen
     plan = make_plan(items, rcfg.batch_size, rcfg.batches_per_shard, prompt_length(backend))
@@ -97,7 +95,7 @@ def server_rss_mb(backend) -> Optional[float]:
     return server.peak_rss_mb() if server is not None and hasattr(server, "peak_rss_mb") else None
 
 
-def finalize(cfg: EagletConfig, out: RegenDir, report: BadRecordReport, fingerprint: dict, generation: dict,
+def finalize(cfg, out: RegenDir, report: BadRecordReport, fingerprint: dict, generation: dict,
              plan: Plan, t0: float, info: RankInfo, server_rss: Optional[float] = None) -> Optional[dict]:
     """The manifest, written by whichever rank finds every shard done (the last to finish, or a rerun), so no
     rank waits for the others. Idempotent: under a lock, a rank that finds it written already leaves it."""
@@ -122,7 +120,7 @@ class RegenPending(RuntimeError):
     """Conversations whose requests failed transiently: not done, asked again by a rerun."""
 
 
-def finalize_partial(cfg: EagletConfig, out: RegenDir, report: BadRecordReport, fingerprint: dict,
+def finalize_partial(cfg, out: RegenDir, report: BadRecordReport, fingerprint: dict,
                      generation: dict, plan: Plan, t0: float) -> dict:
     markers = [m for m in out.markers(plan.n_shards) if m is not None]
     if not markers:
@@ -145,7 +143,7 @@ def prompt_length(backend):
     return backend.prompt_length if backend is not None else RegenItem.prompt_chars
 
 
-def resolve_backend(cfg: EagletConfig) -> str:
+def resolve_backend(cfg) -> str:
     """`auto`: the first backend of `backends.AUTO_ORDER` for the target's device that can serve it here (the
     llama.cpp server for a GGUF target on CPU once its binary is built, else in-process HF generation)."""
     rcfg = cfg.regen
@@ -166,7 +164,7 @@ def resolve_backend(cfg: EagletConfig) -> str:
     return "hf"
 
 
-def make_backend(cfg: EagletConfig, info: RankInfo):
+def make_backend(cfg, info: RankInfo):
     """(backend, target fingerprint, generation parameters) of the resolved backend (pipeline/regen/backends.py)."""
     rcfg = cfg.regen
     name = resolve_backend(cfg)
@@ -244,7 +242,7 @@ def describe(stats: dict) -> str:
             f"{stats.get('failed', 0)} ({failures})")
 
 
-def write_regen_manifest(cfg: EagletConfig, out: RegenDir, markers: list[dict], report: BadRecordReport,
+def write_regen_manifest(cfg, out: RegenDir, markers: list[dict], report: BadRecordReport,
                          fingerprint: dict, generation: dict, plan: Plan, wall_s: float,
                          server_rss: Optional[float] = None) -> dict:
     total = sum_stats([m["stats"] for m in markers])

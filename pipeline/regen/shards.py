@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.data.config import SourceConfig
-from pipeline.manifest import atomic_write_text
+from pipeline.files import atomic_write_text
 from pipeline.regen.waves import Answer, BatchResult
 
 log = logging.getLogger(__name__)

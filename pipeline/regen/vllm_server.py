@@ -20,6 +20,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from pipeline.precision import cpu_computes_bf16, dtype_name, resolve_dtype
 from pipeline.regen.config import VLLMConfig
 from pipeline.regen.managed_server import ManagedServer, rank_cpus
 from pipeline.target import TargetConfig, cache_root
@@ -28,19 +31,11 @@ log = logging.getLogger(__name__)
 
 
 
-def cpu_computes_bf16() -> bool:
-    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX-BF16) rather than converting to fp32."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
-
-
-def resolve_dtype(dtype: str) -> str:
+def server_dtype(dtype: str) -> str:
     """regen.vllm.dtype as the server is asked: empty picks bfloat16 on a CPU with bf16 arithmetic, else
     float32 (on 2 AVX512 cores without it, 8 sequences decoded at 34 tok/s in bf16, 64 tok/s in fp32)."""
-    return dtype or ("bfloat16" if cpu_computes_bf16() else "float32")
+    return dtype_name(resolve_dtype(dtype, torch.device("cpu"), "regen.vllm.dtype",
+                                    bf16_is_fast=lambda _: cpu_computes_bf16()))
 
 
 def vllm_config(cfg) -> VLLMConfig:
@@ -118,7 +113,7 @@ class VLLMServer(ManagedServer):
         # package named `vllm` (importlib.metadata.PackageNotFoundError: No package metadata was found for vllm).
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                    "--host", "127.0.0.1", "--port", str(self.port),
-                   "--served-model-name", served_name, "--dtype", resolve_dtype(vcfg.dtype),
+                   "--served-model-name", served_name, "--dtype", server_dtype(vcfg.dtype),
                    "--max-num-seqs", str(vcfg.max_num_seqs), "--max-model-len", str(min(vcfg.max_model_len, max_seq)),
                    "--seed", str(seed),
                    # Sampling is what regen asks for; the folder's generation_config.json sets no defaults.
@@ -128,7 +123,7 @@ class VLLMServer(ManagedServer):
         command += vcfg.extra_args
         self._start(command, vcfg.startup_timeout_s, env=server_env(vcfg, cache_dir, Path(model).is_dir()))
         log.info("vllm up in %.1f s: %d sequences, %s, %d GiB KV cache, %d threads (%s)", self.startup_s,
-                 vcfg.max_num_seqs, resolve_dtype(vcfg.dtype), vcfg.kv_cache_space_gb, self.threads, log_path)
+                 vcfg.max_num_seqs, server_dtype(vcfg.dtype), vcfg.kv_cache_space_gb, self.threads, log_path)
 
 
 # -- registry entry (pipeline/regen/backends.py) ------------------------------------------------------------
@@ -160,7 +155,7 @@ def make(cfg, info):
     # The source names the served model (a GGUF's file name, an HF folder's or hub id's last part): stable
     # across eaglet cache formats, unlike the dequantized folder's name.
     served_model = Path(str(resolve_source(cfg.target)[1])).name
-    generation = {"served_model": served_model, "precision": resolve_dtype(vcfg.dtype)}
+    generation = {"served_model": served_model, "precision": server_dtype(vcfg.dtype)}
     return make_managed(cfg, "vllm", generation, lambda: start_server(cfg, info, served_model), served_model,
                         vcfg.max_num_seqs, vcfg.timeout_s, {"version": installed_version(vcfg, cfg.target)})
 

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipeline.files import atomic_write_text
 from pipeline.heads.io import load_head_weights, save_head
-from pipeline.manifest import atomic_write_text, check_files, file_digests
+from pipeline.manifest import check_files, file_digests
 
 log = logging.getLogger(__name__)
 

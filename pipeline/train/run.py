@@ -21,22 +21,16 @@ import numpy as np
 import torch
 
 from pipeline.data.chat import ThinkingMode, check_thinking
-from pipeline.dist import head_target, rank_info, target_layout
+from pipeline.dist import rank_info, target_layout
+from pipeline.files import sha256_file
 from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, save_head
 from pipeline.heads.vocab import build_draft_vocab
 from pipeline.hidden_states.reader import REPAIR, DumpReader, verify_shards
-from pipeline.manifest import (
-    MANIFEST,
-    ManifestError,
-    digest_file,
-    file_digests,
-    to_plain,
-    write_manifest,
-)
+from pipeline.manifest import MANIFEST, ManifestError, file_digests, to_plain, write_manifest
 from pipeline.precision import dtype_name
-from pipeline.target import load_target, load_target_parts
+from pipeline.target import head_target, load_target, load_target_parts
 
 from . import checkpoint as ckpt
 from .config import TrainSource
@@ -132,7 +126,7 @@ def load_rows(cfg, par: Parallel, online: bool):
     if online:
         rows = OnlineRows.from_config(cfg, target)
         # The input's digest, not the source's name alone: resuming on other conversations is refused too.
-        digests = [digest_file(Path(d) / MANIFEST) for d in rows.inputs] or [to_plain(cfg.data)]
+        digests = [sha256_file(Path(d) / MANIFEST) for d in rows.inputs] or [to_plain(cfg.data)]
         identity = {"source": "online", "inputs": digests, "layer_ids": rows.layer_ids,
                     "target_precision": target.precision}
         if cfg.regen.thinking != ThinkingMode.template:  # (absent for template: older checkpoints resume)
@@ -154,7 +148,7 @@ def load_rows(cfg, par: Parallel, online: bool):
                         expect_layer_ids=cfg.dump.layer_ids if fuses_layers else None, verify=False)
     check_thinking(cfg.regen.thinking, reader.manifest, dump_dir / MANIFEST)  # rows of the mode eval will render
     # No "source" key offline: checkpoints written before train.source existed still resume.
-    return target, reader, [dump_dir], {"dump_manifest_sha256": digest_file(dump_dir / MANIFEST)}
+    return target, reader, [dump_dir], {"dump_manifest_sha256": sha256_file(dump_dir / MANIFEST)}
 
 
 def probe_target(cfg, par: Parallel, parts):

@@ -1,0 +1,100 @@
+"""Files on the ground floor: how every stage writes a file or a folder so that a reader never sees a torn
+one, and how it digests one. Every write-then-rename and every file hash of eaglet goes through here.
+
+A temporary is a hidden sibling named after this process (`.name.<pid>.tmp`), in the same folder so the
+rename is atomic; a writer that fails or is interrupted removes its temporary (a full disk is not left
+fuller by it), and a temporary of a killed writer is recognisable by its name (`stale_tmp_siblings`).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import IO, Iterator
+
+
+def default_cache_root() -> Path:
+    """eaglet's cache ($EAGLET_CACHE or ~/.cache/eaglet): dequantized targets, llama-server, precision."""
+    return Path(os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet").expanduser()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    """The file's sha256, read in chunks (a dump shard or a target's weights need not fit in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tmp_sibling(path: Path) -> Path:
+    """This process's temporary for `path`: beside it, hidden, named after the pid."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def stale_tmp_siblings(path: Path) -> list[Path]:
+    """Temporaries for `path` of any process (a killed writer's among them)."""
+    path = Path(path)
+    return sorted(path.parent.glob(f".{path.name}.*.tmp"))
+
+
+def fsync_dir(directory: Path) -> None:
+    """Makes a rename inside `directory` durable (its entry is on disk, not only the file's bytes)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
+    """Open `path` for writing so that readers see the old file or the whole new one, never a torn one: the
+    body writes a per-process temporary in the same folder, which is fsynced and then renamed over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_sibling(path)
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_file(path) as f:
+        f.write(text)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Publish a finished folder: `tmp` takes `final`'s place (an older `final` is removed first; a folder
+    cannot be renamed over a non-empty one), and the rename is made durable."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """A folder that appears whole or not at all: the body fills a fresh temporary folder, which then
+    replaces `final`. Temporaries of killed writers are removed first (one writer per folder: pipeline/lock.py),
+    and the temporary goes if the body fails."""
+    final = Path(final)
+    for stale in stale_tmp_siblings(final):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = tmp_sibling(final)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
