@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from pipeline import precision
-from pipeline.files import atomic_write_text, default_cache_root, sha256_file
+from pipeline.families import family_of
+from pipeline.files import atomic_write_text, default_cache_root, sha256_file, tmp_sibling
 from pipeline.lock import first_writer_lock
 from pipeline.precision import dtype_name, parse_dtype
 from pipeline.target_files import StoredCheckpoint
@@ -27,9 +28,6 @@ log = logging.getLogger(__name__)
 # Bump when the cache layout changes. 2: config.json without the GGUF quantization_config (the weights are
 # dense; with it, transformers attached its GGUF quantizer to every load and warned of packed weights).
 CACHE_FORMAT = 2
-# Llama-architecture families: the final norm is a Llama RMSNorm (weight * x_hat, not Gemma's
-# (1 + weight) * x_hat) and the logits are exactly lm_head(final norm), with no softcapping or logit scale.
-LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3"})
 GGUF_MAGIC = b"GGUF"  # the first bytes of every GGUF file
 
 
@@ -204,7 +202,7 @@ def dequantize_gguf_to_cache(gguf: Path, out: Path) -> None:
     log.info("dequantizing %s (first load only) ...", gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp = tmp_sibling(out)
     tmp.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, tensor in model.state_dict().items():
@@ -451,7 +449,11 @@ def tensor_parallel_kwargs(location: str, cfg: TargetConfig) -> dict:
 
 
 def check_tensor_parallel(hf_config, tp: int, location: str) -> None:
-    """Refuses N that does not divide the target's attention and key/value heads (each rank holds whole heads)."""
+    """Refuses a family transformers has no tensor-parallel plan for, and N that does not divide the target's
+    attention and key/value heads (each rank holds whole heads)."""
+    if not family_of(hf_config).tensor_parallel:
+        raise TargetError(f"target.tensor_parallel={tp}: transformers has no tensor-parallel plan for "
+                          f"{hf_config.model_type} ({location}); run it with target.tensor_parallel=1")
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None) or heads

@@ -18,7 +18,9 @@ import torch
 from families import FAMILIES, build_family
 from oracle_drafter import OracleDrafter
 from pipeline.data.chat import ChatTemplateError, render_prompt, stop_token_ids, tokenize_conversation
-from pipeline.eval.decoder import attention_layer_types, generate
+from pipeline.eval.decoder import generate
+from pipeline.families import FAMILIES as RECORDS
+from pipeline.families import Attention, FinalNorm, attention_layer_types, family_of
 from pipeline.manifest import load_manifest
 from pipeline.run import run_stages
 from test_config import compose_cfg
@@ -101,6 +103,37 @@ def test_a_layer_kind_the_tree_mask_cannot_express_is_refused_by_name(family):
     config.layer_types = ["linear_attention"] + ["full_attention"] * (config.num_hidden_layers - 1)
     with pytest.raises(NotImplementedError, match=r"layers of kind \['linear_attention'\] cannot be verified"):
         attention_layer_types(config)
+
+
+def test_the_family_record_says_what_the_transformers_class_does(family):
+    """pipeline/families.py holds one record per family instead of probing configs: each claim of the record
+    is checked here against the family's real transformers class (a wrong record fails, not a decode later)."""
+    fam, _, tok, model = family
+    config = model.config
+    record = family_of(config)
+    assert RECORDS.get(config.model_type) is record, f"{config.model_type} has no record in pipeline/families.py"
+    ids = torch.tensor([[3, 17, 42, 9]])
+    with torch.no_grad():
+        hidden = model.base_model(ids).last_hidden_state  # [1, 4, H], after the final norm
+        if record.plain_logits:
+            assert torch.equal(model.lm_head(hidden), model(ids).logits)
+        norm = copy.deepcopy(model.base_model.norm)
+        norm.weight.copy_(torch.randn_like(norm.weight))
+        x = torch.randn(2, config.hidden_size)
+        x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+        scale = norm.weight + 1 if record.final_norm == FinalNorm.rms_one_plus else norm.weight
+        torch.testing.assert_close(norm(x), scale * x_hat, rtol=1e-5, atol=1e-5)
+        embedded = model.get_input_embeddings()(ids)
+        rows = model.get_input_embeddings().weight[ids]
+        torch.testing.assert_close(embedded, rows * config.hidden_size ** 0.5 if record.embed_scale else rows)
+    assert record.tied_embeddings == type(config)().tie_word_embeddings
+    assert record.tensor_parallel == bool(config.base_model_tp_plan)
+    assert (record.attention == Attention.layer_types) == (getattr(config, "layer_types", None) is not None)
+    user = [{"role": "user", "content": "Hi"}]
+    render = lambda messages, **kw: tok.apply_chat_template(messages, tokenize=False, **kw)  # noqa: E731
+    folded = render([{"role": "user", "content": "Be brief.\n\nHi"}])
+    assert (render([{"role": "system", "content": "Be brief."}, *user]) == folded) == (not record.chat.system_role)
+    assert (render(user, add_generation_prompt=True) == render(user)) == (not record.chat.assistant_header)
 
 
 QUESTIONS = [{"question_id": 1, "category": "math", "turns": ["What is 12 times 7?", "And 12 times 8?"]},

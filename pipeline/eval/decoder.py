@@ -20,7 +20,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from pipeline.target import LLAMA_LIKE_MODEL_TYPES
+from pipeline.families import attention_layer_types, family_of
 
 from .drafter import Drafter
 from .tree import TreeSpec
@@ -116,27 +116,6 @@ def _generator(seed: Optional[int]) -> torch.Generator:
     return gen
 
 
-# Attention layer kinds (HF `config.layer_types`) the verification masks can express.
-MASKABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def attention_layer_types(config) -> list[str]:
-    """Each decoder layer's attention kind: `config.layer_types` where the family has it (Gemma 2/3, Qwen 2/3
-    mix full and sliding-window layers), else every layer slides when `sliding_window` is set (Mistral v0.1,
-    Mixtral, Phi-3, Starcoder2 apply one mask to all layers). Refuses kinds a tree mask cannot express (linear
-    or chunked attention, recurrent layers), naming them."""
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-        types = [kind] * config.num_hidden_layers
-    other = sorted(set(types) - set(MASKABLE_LAYER_TYPES))
-    if other:
-        raise NotImplementedError(
-            f"{config.model_type}: layers of kind {other} cannot be verified with a tree attention mask (eaglet's "
-            f"tree decoder supports {list(MASKABLE_LAYER_TYPES)}); this target can be trained on but not evaluated")
-    return list(types)
-
-
 def _new_cache(model: torch.nn.Module) -> DynamicCache:
     """A cache keeping every position in every layer, sliding-window layers too: verification compacts it in
     place (keep_accepted_kv), and the window is applied by the masks instead, HF's own in one-token decoding
@@ -174,8 +153,7 @@ class RowLogits:
 
 
 def supports_row_logits(model: torch.nn.Module) -> bool:
-    return (model.config.model_type in LLAMA_LIKE_MODEL_TYPES
-            and isinstance(model.get_output_embeddings(), torch.nn.Linear))
+    return family_of(model.config).plain_logits and isinstance(model.get_output_embeddings(), torch.nn.Linear)
 
 
 # transformers >= 5.24 (the version constraints.txt pins) captures only the hidden states listed in

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.target import LLAMA_LIKE_MODEL_TYPES
+from pipeline.families import FinalNorm, family_of
 
 from .config import DraftHeadConfig
 from .layers import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
@@ -118,7 +118,7 @@ class Eagle3DraftHead(DraftHeadMixin, nn.Module):
         self.lm_head.weight.copy_(weight[ids.to(weight.device)])  # [V_draft, H]
         final_norm = getattr(target_model.base_model, "norm", None)
         # Only a Llama-convention RMSNorm (weight * x_hat) means the same thing in this head's RMSNorm.
-        if copy_norm and target_model.config.model_type in LLAMA_LIKE_MODEL_TYPES and final_norm is not None:
+        if copy_norm and family_of(target_model.config).final_norm == FinalNorm.rms and final_norm is not None:
             self.norm.weight.copy_(final_norm.weight)
 
 

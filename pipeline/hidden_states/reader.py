@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.files import sha256_file
+from pipeline.files import atomic_file, sha256_file
 from pipeline.hidden_states.capture import CONVENTION
 from pipeline.hidden_states.shards import (
     DTYPES,
@@ -334,19 +334,15 @@ def _load_index(path: Path, shard_rows: Sequence[int]) -> Optional[tuple]:
 def _save_index(path: Path, arrays: tuple) -> None:
     """Written atomically beside the shards; a read-only or full dump folder only means no cache. Indexes of
     earlier manifests of this folder are removed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(exist_ok=True)
-        with open(tmp, "wb") as f:
+        with atomic_file(path, "wb") as f:
             np.savez(f, version=np.int64(_INDEX_VERSION), **dict(zip(_INDEX_KEYS, arrays)))
-        os.replace(tmp, path)
         # Older manifests' indexes, and temporaries of savers killed mid-write (a concurrent saver whose
         # temporary goes only fails its rename: the index is the same).
         for old in [*path.parent.glob("*.npz"), *path.parent.glob(".*.tmp")]:
             if old.name != path.name:
                 old.unlink(missing_ok=True)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         log.debug("dump: row index not cached in %s (%s)", path.parent, e)
 
 

@@ -27,11 +27,7 @@ def main(cfg) -> DumpSummary:
     tp = target_layout(cfg.target.tensor_parallel, rank)  # refuses a world size N does not divide, before loading
     target = load_target(rank_target_config(cfg.target, rank))
 
-    rows = tokenized_input(cfg, target)  # tokenized once, by the first rank; the others map its arrays
-    if rows.has_bad_records:
-        log.warning("dump input: %s", rows.summary)
-    if not rows.samples:
-        raise RuntimeError(f"dump: no conversation with an assistant turn in the input ({rows.counts})")
+    rows = tokenized_input(cfg, target, "dump")  # tokenized once, by the first rank; the others map its arrays
 
     out_dir = cfg.stage_dir("dump")
     summary = dump_hidden_states(

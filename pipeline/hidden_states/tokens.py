@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -27,7 +25,7 @@ import numpy as np
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import ThinkingMode
-from pipeline.files import sha256_file
+from pipeline.files import atomic_dir, sha256_file
 from pipeline.hidden_states.inputs import read_conversations, tokenize_all
 from pipeline.hidden_states.plan import TokenizedSample
 from pipeline.lock import first_writer_lock
@@ -102,9 +100,11 @@ def tokens_key(cfg, fingerprint: dict, inputs: Sequence[Path]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def tokenized_input(cfg, target) -> TokenizedInput:
+def tokenized_input(cfg, target, what: str = "dump") -> TokenizedInput:
     """This experiment's input rows, tokenized with the target's template: from the shared arrays when a rank
-    (or an earlier run) made them, else tokenized here and written for the others."""
+    (or an earlier run) made them, else tokenized here and written for the others. The prologue of every
+    consumer of dump input (the dump stage, online training: `what` names it in the log and the error): bad
+    records are reported, and an input without a single trainable row is refused."""
     report = BadRecordReport()
     # Always called: it checks the regen manifest against the target even when the tokens are cached.
     conversations, inputs = read_conversations(cfg, target.fingerprint, report)
@@ -121,14 +121,16 @@ def tokenized_input(cfg, target) -> TokenizedInput:
     corpus = TokenizedCorpus(directory)
     log.info("input: %d rows, %d tokens, %s %s", len(corpus), int(corpus.offsets[-1]),
              "read from" if cached else "tokenized into", directory)
-    return TokenizedInput(corpus, meta["counts"], inputs, meta["bad_records"], meta["summary"], cached)
+    rows = TokenizedInput(corpus, meta["counts"], inputs, meta["bad_records"], meta["summary"], cached)
+    if rows.has_bad_records:
+        log.warning("%s input: %s", what, rows.summary)
+    if not rows.samples:
+        raise RuntimeError(f"{what}: no conversation with an assistant turn in the input ({rows.counts})")
+    return rows
 
 
 def write_tokens(directory: Path, samples: Sequence[TokenizedSample], meta: dict) -> None:
     """The arrays under a temporary name, then renamed: a folder with meta.json is always complete."""
-    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -137,9 +139,8 @@ def write_tokens(directory: Path, samples: Sequence[TokenizedSample], meta: dict
     for s, a, b in zip(samples, offsets[:-1], offsets[1:]):
         ids[a:b] = s.input_ids
         mask[a:b] = s.loss_mask
-    (tmp / "ids.json").write_text(json.dumps([s.id for s in samples]))
-    for name, array in (("offsets", offsets), ("input_ids", ids), ("loss_mask", mask)):
-        np.save(tmp / f"{name}.npy", array, allow_pickle=False)
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    shutil.rmtree(directory, ignore_errors=True)  # an incomplete folder (no meta.json) of a killed run
-    os.replace(tmp, directory)
+    with atomic_dir(directory) as tmp:  # over an incomplete folder (no meta.json) of a killed run
+        (tmp / "ids.json").write_text(json.dumps([s.id for s in samples]))
+        for name, array in (("offsets", offsets), ("input_ids", ids), ("loss_mask", mask)):
+            np.save(tmp / f"{name}.npy", array, allow_pickle=False)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))

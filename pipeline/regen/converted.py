@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+from pipeline.files import replace_dir, tmp_sibling
 from pipeline.lock import first_writer_lock
 from pipeline.target import TargetConfig, cache_root
 
@@ -88,7 +88,7 @@ def convert_once(out: Path, command: list[str], settings: dict, env: Optional[di
     with first_writer_lock(out):
         if (out / DONE).is_file():  # another rank converted it while this one waited
             return 0.0
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        tmp = tmp_sibling(out)
         shutil.rmtree(tmp, ignore_errors=True)
         log_path = out.with_name(out.name + ".log")
         argv = [a.replace("{out}", str(tmp)) for a in command]
@@ -103,9 +103,7 @@ def convert_once(out: Path, command: list[str], settings: dict, env: Optional[di
             raise RuntimeError(f"conversion failed (exit {proc.returncode}): {' '.join(argv)}\n  "
                                + "\n  ".join(tail) + f"\n(full log: {log_path})")
         (tmp / DONE).write_text(json.dumps({**settings, "command": command, "convert_s": round(elapsed, 2)}))
-        if out.exists():  # a stale, unfinished one (no DONE marker)
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_dir(tmp, out)  # over a stale, unfinished one (no DONE marker)
         log.info("converted in %.1f s -> %s", elapsed, out)
         return elapsed
 

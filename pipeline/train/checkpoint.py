@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.files import atomic_write_text
+from pipeline.files import atomic_write_text, fsync_dir, replace_dir
 from pipeline.heads.io import load_head_weights, save_head
 from pipeline.manifest import check_files, file_digests
 
@@ -125,13 +125,10 @@ def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler
         # The state file closes the checkpoint and records every other file's digest: a resume refuses a
         # checkpoint whose bytes changed since (load_checkpoint).
         _write_json(tmp / TRAINER_STATE, {**trainer_state, "files": file_digests(tmp)})
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if before_rename is not None:
             before_rename()
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        replace_dir(tmp, final)
         for old in checkpoint_dirs(train_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s", final)
@@ -205,9 +202,3 @@ def _write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -55,12 +55,7 @@ class OnlineRows:
     @classmethod
     def from_config(cls, cfg, target) -> "OnlineRows":
         """What the dump stage would read for this experiment, tokenized by the target's template."""
-        rows = tokenized_input(cfg, target)  # the dump stage's arrays when it ran, else made once here
-        if rows.has_bad_records:
-            log.warning("online training input: %s", rows.summary)
-        if not rows.samples:
-            raise RuntimeError(f"train.source=online: no conversation with an assistant turn in the input "
-                               f"({rows.counts})")
+        rows = tokenized_input(cfg, target, "train.source=online")  # the dump's arrays when it ran, else made here
         return cls(target, rows.samples, cfg.dump.layer_ids, rows.inputs)
 
     def __len__(self) -> int:

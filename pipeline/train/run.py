@@ -22,7 +22,7 @@ import torch
 
 from pipeline.data.chat import ThinkingMode, check_thinking
 from pipeline.dist import rank_info, target_layout
-from pipeline.files import sha256_file
+from pipeline.files import atomic_dir, sha256_file
 from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, save_head
@@ -189,12 +189,8 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
            final_metrics: dict, t0: float) -> None:
     """final/ head, curves.png and the manifest (main rank)."""
     final_dir = train_dir / FINAL
-    tmp = train_dir / f".{FINAL}.tmp"
-    save_head(trainer.par.unwrap(trainer.model).head, tmp)
-    if final_dir.exists():
-        import shutil
-        shutil.rmtree(final_dir)
-    tmp.rename(final_dir)
+    with atomic_dir(final_dir) as tmp:
+        save_head(trainer.par.unwrap(trainer.model).head, tmp)
     if cfg.train.plot:
         plot_curves(train_dir / "metrics.jsonl", train_dir / CURVES_FILE,
                     title=f"{cfg.name} / {cfg.head.name} ({cfg.head.kind})")
