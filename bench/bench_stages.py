@@ -281,7 +281,7 @@ def read_child(dump_dir: str) -> None:
         if i % 4 == 0:
             peak_anon, peak_file = max(peak_anon, rss_kb("RssAnon")), max(peak_file, rss_kb("RssFile"))
     peak_anon, peak_file = max(peak_anon, rss_kb("RssAnon")), max(peak_file, rss_kb("RssFile"))
-    print(json.dumps({"tokens": reader.num_tokens, "bytes": reader.manifest["totals"]["bytes"],
+    print(json.dumps({"tokens": reader.num_tokens, "bytes": reader.manifest.totals["bytes"],
                       "peak_rss_anon_kb": peak_anon, "peak_rss_file_kb": peak_file,
                       "seconds": time.perf_counter() - t0, "checksum": checksum}))
 

@@ -10,7 +10,7 @@ import logging
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional
 
 from pipeline.files import atomic_write_text, sha256_file
 
@@ -137,6 +137,9 @@ def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings
         "timings": to_plain({**timings, "peak_rss_mb": peak_rss_mb()}),
         **to_plain(extra),
     }
+    if stage in MANIFESTS and (unknown := sorted(set(doc) - MANIFESTS[stage].fields())):
+        raise TypeError(f"{stage} manifest: {unknown} are not fields of {MANIFESTS[stage].__name__} "
+                        f"(pipeline/manifest.py): declare them there")
     path = out_dir / MANIFEST
     # A run killed inside this write left its temporary (named by its pid). Ranks of one job may write the
     # manifest at nearly the same moment (the dump's last rank), so only a temporary older than any write
@@ -168,6 +171,107 @@ def load_manifest(stage_dir: Path, expect_stage: Optional[str] = None) -> dict:
     return doc
 
 
+# ---------------------------------------------------------------------------------------------
+# Typed manifests: one dataclass per stage, the contract between a stage and the next. Written through
+# `write_manifest` (which refuses a field its stage's class does not declare), read with `<Stage>Manifest.load`:
+# a manifest of an older eaglet lacks later fields and reads as their defaults; a field this eaglet does not
+# know (a newer writer's) is kept in `extra`.
+
+
+@dataclasses.dataclass
+class StageManifest:
+    STAGE: ClassVar[str] = ""
+    schema_version: int = SCHEMA_VERSION
+    stage: str = ""
+    created: str = ""
+    code_version: str = ""
+    config: dict = dataclasses.field(default_factory=dict)
+    inputs: list = dataclasses.field(default_factory=list)  # [{"path", "manifest_sha256"}] of consumed stages
+    counts: dict = dataclasses.field(default_factory=dict)
+    timings: dict = dataclasses.field(default_factory=dict)
+    target: dict = dataclasses.field(default_factory=dict)  # the target's fingerprint (check_target)
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def fields(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "StageManifest":
+        known = cls.fields()
+        return cls(**{k: v for k, v in doc.items() if k in known},
+                   extra={k: v for k, v in doc.items() if k not in known})
+
+    @classmethod
+    def load(cls, stage_dir: Path) -> "StageManifest":
+        return cls.from_dict(load_manifest(stage_dir, expect_stage=cls.STAGE))
+
+
+@dataclasses.dataclass
+class RegenManifest(StageManifest):
+    STAGE: ClassVar[str] = "regen"
+    generation: dict = dataclasses.field(default_factory=dict)  # backend, sampling, thinking, precision
+    format: str = "sharegpt"
+    plan: dict = dataclasses.field(default_factory=dict)  # digest, batches, shards, conversations
+    complete: bool = True  # False: regen.finalize_partial wrote it with shards missing
+    shards_missing: int = 0
+    shards: list = dataclasses.field(default_factory=list)  # [{"path", "conversations", "sha256", "rank"}]
+    errors: list = dataclasses.field(default_factory=list)
+    bad_records: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def thinking(self) -> Optional[str]:
+        return self.generation.get("thinking")
+
+
+@dataclasses.dataclass
+class DumpManifest(StageManifest):
+    STAGE: ClassVar[str] = "dump"
+    format: dict = dataclasses.field(default_factory=dict)  # {"name", "version"} of the shard format
+    precision: Optional[str] = None  # the target's compute dtype (`dtype` is the storage)
+    tokenizer_digest: Optional[str] = None
+    layers: dict = dataclasses.field(default_factory=dict)  # ids, convention, final, num_target_layers
+    hidden_size: int = 0
+    dtype: str = "bfloat16"
+    plan: dict = dataclasses.field(default_factory=dict)
+    shards: list = dataclasses.field(default_factory=list)  # [{"file", "rows", "tokens", "bytes", "sha256"}]
+    totals: dict = dataclasses.field(default_factory=dict)
+    bad_records: dict = dataclasses.field(default_factory=dict)
+    thinking: Optional[str] = None
+    tensor_parallel: int = 1  # ranks per target copy that wrote it
+
+
+@dataclasses.dataclass
+class TrainManifest(StageManifest):
+    STAGE: ClassVar[str] = "train"
+    source: str = "dump"
+    precision: Optional[str] = None
+    head_config: dict = dataclasses.field(default_factory=dict)
+    thinking: Optional[str] = None
+    final_metrics: dict = dataclasses.field(default_factory=dict)
+    head_files: Optional[dict] = None  # None: a head trained before the digests were recorded (loads unchecked)
+
+
+@dataclasses.dataclass
+class EvalManifest(StageManifest):
+    STAGE: ClassVar[str] = "eval"
+    precision: Optional[str] = None
+    tau: Optional[float] = None
+    speedup: Optional[float] = None
+
+
+@dataclasses.dataclass
+class ExportManifest(StageManifest):
+    STAGE: ClassVar[str] = "export"
+    format: Optional[str] = None
+    head_config: dict = dataclasses.field(default_factory=dict)
+    files: dict = dataclasses.field(default_factory=dict)
+
+
+MANIFESTS: dict[str, type[StageManifest]] = {
+    m.STAGE: m for m in (RegenManifest, DumpManifest, TrainManifest, EvalManifest, ExportManifest)}
+
+
 def check_equal(what: str, ours: Any, theirs: Any, ours_label: str, theirs_label: str) -> None:
     """Refuses a mismatch with a message that names both sides."""
     if ours != theirs:
@@ -179,12 +283,19 @@ def check_equal(what: str, ours: Any, theirs: Any, ours_label: str, theirs_label
 FINGERPRINT_KEYS = ("config_digest", "tokenizer_digest", "weights_digest")
 
 
-def check_target(fingerprint: dict, manifest: dict, manifest_path: Path, what: str = "target",
+def check_target(fingerprint: dict, manifest: StageManifest, manifest_path: Path, what: str = "target",
                  allow_template_mismatch: bool = False) -> None:
-    """The input was made with the same target (architecture, tokenizer + chat template, weights).
+    """The input (its typed manifest) was made with the same target (architecture, tokenizer + chat template,
+    weights)."""
+    check_fingerprint(fingerprint, manifest.target, manifest_path, what, allow_template_mismatch)
+
+
+def check_fingerprint(fingerprint: dict, theirs: dict, manifest_path: Path, what: str = "target",
+                      allow_template_mismatch: bool = False) -> None:
+    """`fingerprint` (the current target's) against `theirs` (a manifest's record of its target).
     `allow_template_mismatch`: the chat template may differ (the template experiment, docs/results.md); the
     vocabulary and special tokens must not (`vocab_digest`), and the difference is logged."""
-    theirs = manifest.get("target") or {}
+    theirs = theirs or {}
     keys = FINGERPRINT_KEYS
     if "weights_digest" in theirs and theirs["weights_digest"] is None:
         # Made through a server (regen's openai backend): its weights are unknown to eaglet, so only the

@@ -14,7 +14,7 @@ import torch
 
 from families import FAMILIES, build_family, build_padded_moe
 from pipeline.lock import first_writer_lock
-from pipeline.manifest import check_target, load_manifest
+from pipeline.manifest import check_fingerprint, load_manifest
 from pipeline.target import (
     TargetConfig,
     files_weights_digest,
@@ -98,10 +98,10 @@ def test_outputs_of_a_renamed_checkpoint_made_before_the_files_digest_still_load
     current = load_target_parts(local_target(path)).fingerprint
     old = {k: v for k, v in current.items() if k != "weights_digest_names"}
     old["weights_digest"] = "0123456789abcdef"  # the digest of the fused tensors, which the files do not hold
-    check_target(current, {"target": old}, tmp_path / "manifest.json")
+    check_fingerprint(current, old, tmp_path / "manifest.json")
     assert "not compared" in caplog.text
     with pytest.raises(Exception, match="weights digest"):  # a manifest of the current kind is still compared
-        check_target(current, {"target": {**old, "weights_digest_names": "stored"}}, tmp_path / "manifest.json")
+        check_fingerprint(current, {**old, "weights_digest_names": "stored"}, tmp_path / "manifest.json")
 
 
 LOCK_CHILD = """

@@ -148,7 +148,7 @@ def test_the_mode_goes_from_regen_through_dump_and_train_to_eval(qwen3_dir, toke
 
     dump_main(dataclasses.replace(cfg, stage="dump"))
     reader = DumpReader(cfg.stage_dir("dump"))
-    assert reader.manifest["thinking"] == "off" and len(reader) == len(PROMPTS)
+    assert reader.manifest.thinking == "off" and len(reader) == len(PROMPTS)
     for i in range(len(reader)):
         row = reader[i]
         ids, mask = row.input_ids.tolist(), row.loss_mask.tolist()

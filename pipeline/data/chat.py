@@ -175,14 +175,14 @@ def check_thinking_template(tokenizer, thinking) -> None:
                                 f"thinking mode to set; use {THINKING_KEY}=template")
 
 
-def thinking_of(manifest: dict) -> ThinkingMode:
-    """The thinking mode a stage's output was made with: a regen manifest records it in `generation`, dump and
-    train manifests at the top; absent (outputs of older versions, or `template` in regen) = `template`."""
-    value = manifest.get("thinking", (manifest.get("generation") or {}).get("thinking", ThinkingMode.template))
-    return ThinkingMode.parse(value, THINKING_KEY)
+def thinking_of(manifest) -> ThinkingMode:
+    """The thinking mode a stage's output was made with (its typed manifest's `thinking`: a regen manifest
+    records it in `generation`, dump and train manifests at the top); absent (outputs of older versions, or
+    `template` in regen) = `template`."""
+    return ThinkingMode.parse(manifest.thinking or ThinkingMode.template, THINKING_KEY)
 
 
-def check_thinking(configured, manifest: dict, manifest_path, allow_key: str | None = None,
+def check_thinking(configured, manifest, manifest_path, allow_key: str | None = None,
                    allow: bool = False) -> ThinkingMode:
     """Refuses an input made under another thinking mode than `configured` (a head trained on answers after an
     empty think block drafts poorly for a model that thinks, and the other way round), in one line naming both

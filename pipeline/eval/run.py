@@ -21,7 +21,7 @@ from pipeline.eval.questions import load_questions
 from pipeline.eval.report import format_summary, log_wandb, plot_summary, summarize
 from pipeline.files import atomic_write_text, sha256_file
 from pipeline.heads.io import load_head
-from pipeline.manifest import MANIFEST, load_manifest, to_plain, write_manifest
+from pipeline.manifest import MANIFEST, TrainManifest, to_plain, write_manifest
 from pipeline.target import head_target, load_target
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def build_drafter(cfg, target):
         info = {"name": "prompt_lookup", "kind": "prompt_lookup", "max_ngram": lk.max_ngram, "min_ngram": lk.min_ngram}
         return PromptLookupDrafter(lk.max_ngram, lk.min_ngram), info, []
     train_dir = cfg.stage_dir("train")
-    train_manifest = load_manifest(train_dir, expect_stage="train")
+    train_manifest = TrainManifest.load(train_dir)
     # Refuses a head trained on another target (or chat template, unless allowed on purpose).
     head = load_head(train_dir, head_target(target, cfg.target),
                      allow_template_mismatch=cfg.eval.allow_template_mismatch)
@@ -53,7 +53,7 @@ def build_drafter(cfg, target):
     check_thinking(cfg.regen.thinking, train_manifest, train_dir / MANIFEST, "eval.allow_thinking_mismatch",
                    cfg.eval.allow_thinking_mismatch)
     info = {"name": cfg.head.name, "kind": head.config.kind,
-            "train_manifest_code_version": train_manifest.get("code_version"), "config": head.config.to_dict()}
+            "train_manifest_code_version": train_manifest.code_version, "config": head.config.to_dict()}
     return make_drafter(head), info, [train_dir]
 
 

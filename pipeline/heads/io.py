@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pipeline.files import atomic_write_text
-from pipeline.manifest import ManifestError, check_files, check_target, load_manifest
+from pipeline.manifest import ManifestError, TrainManifest, check_files, check_target
 
 from .config import DraftHeadConfig
 from .registry import build_draft_head
@@ -75,12 +75,12 @@ def load_head(train_dir: Path, target, device: Optional[torch.device] = None,
     (fingerprint checked against the train manifest; `allow_template_mismatch`: but for the chat template).
     Device/dtype default to the target's."""
     train_dir = Path(train_dir)
-    manifest = load_manifest(train_dir, expect_stage="train")
+    manifest = TrainManifest.load(train_dir)
     check_target(target.fingerprint, manifest, train_dir / "manifest.json",
                  allow_template_mismatch=allow_template_mismatch)
     final = train_dir / FINAL
-    if "head_files" in manifest:  # heads trained before the digests were recorded load unchecked
-        check_files(final, manifest["head_files"], "trained head",
+    if manifest.head_files is not None:  # heads trained before the digests were recorded load unchecked
+        check_files(final, manifest.head_files, "trained head",
                     f"delete {final} and {train_dir / 'manifest.json'} and rerun the train stage: it rewrites the "
                     f"head from the last checkpoint")
     config = DraftHeadConfig.from_dict(json.loads((final / HEAD_CONFIG).read_text()))

@@ -12,7 +12,7 @@ from pipeline.data.chat import ThinkingMode, check_thinking, tokenize_conversati
 from pipeline.data.readers import read_source, read_sources
 from pipeline.hidden_states.config import DumpInput
 from pipeline.hidden_states.plan import TokenizedSample
-from pipeline.manifest import MANIFEST, check_target, load_manifest
+from pipeline.manifest import MANIFEST, RegenManifest, check_target
 from pipeline.regen.shards import regen_sources
 
 log = logging.getLogger(__name__)
@@ -23,15 +23,15 @@ def read_conversations(cfg, fingerprint: dict, report: BadRecordReport) -> tuple
     if DumpInput.parse(cfg.dump.input, "dump.input") == DumpInput.data:
         return read_sources(cfg.data, report), []
     regen_dir = cfg.stage_dir("regen")
-    manifest = load_manifest(regen_dir, expect_stage="regen")
+    manifest = RegenManifest.load(regen_dir)
     check_target(fingerprint, manifest, regen_dir / MANIFEST, what="regen target")
     # The answers follow the generation prompt of the regen's thinking mode: tokenized under another one, the
     # rows would hold prompts the target never answered.
     check_thinking(cfg.regen.thinking, manifest, regen_dir / MANIFEST)
-    if manifest.get("complete") is False:
+    if not manifest.complete:
         log.warning("%s is partial (regen.finalize_partial): %d of %d planned shards missing; this dump covers "
-                    "the %d conversations regenerated so far", regen_dir, manifest["shards_missing"],
-                    manifest["plan"]["shards"], manifest["counts"]["conversations"])
+                    "the %d conversations regenerated so far", regen_dir, manifest.shards_missing,
+                    manifest.plan["shards"], manifest.counts["conversations"])
     sources = regen_sources(regen_dir)  # the ShareGPT shards its manifest lists, in order
 
     def conversations() -> Iterator[dict]:

@@ -46,7 +46,7 @@ from pipeline.hidden_states.shards import (
     stat_key,
     verdict,
 )
-from pipeline.manifest import MANIFEST, ManifestError, check_equal, check_target, file_problem, load_manifest
+from pipeline.manifest import MANIFEST, DumpManifest, ManifestError, check_equal, check_target, file_problem
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,11 @@ class DumpReader:
         (`verify_shards`); bench/bench_integrity.py measures a full hash against a training epoch. False only
         for callers that verified the dump otherwise. `max_open_shards`: shards kept memory-mapped (LRU)."""
         self.dir = Path(dump_dir)
-        self.manifest = load_manifest(self.dir, expect_stage="dump")
+        self.manifest = DumpManifest.load(self.dir)
         self._check_manifest(expect_target, expect_layer_ids, expect_tokenizer_digest)
-        self.layer_ids: list[int] = list(self.manifest["layers"]["ids"])
-        self.hidden_size: int = int(self.manifest["hidden_size"])
-        self.dtype: torch.dtype = DTYPES[self.manifest["dtype"]]
+        self.layer_ids: list[int] = list(self.manifest.layers["ids"])
+        self.hidden_size: int = int(self.manifest.hidden_size)
+        self.dtype: torch.dtype = DTYPES[self.manifest.dtype]
         self.max_open_shards = max(1, int(max_open_shards))
         self._shards: OrderedDict = OrderedDict()  # s -> _Shard, least recently used first
         self._batches: OrderedDict = OrderedDict()
@@ -141,19 +141,19 @@ class DumpReader:
 
     def _check_manifest(self, expect_target, expect_layer_ids, expect_tokenizer_digest) -> None:
         m, path = self.manifest, self.dir / MANIFEST
-        fmt = m.get("format", {})
+        fmt = m.format
         if fmt.get("name") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
             raise ManifestError(f"{path}: dump format {fmt} but this eaglet reads "
                                 f"{FORMAT_NAME} v{FORMAT_VERSION}; rerun the dump stage")
-        if m["layers"].get("convention") != CONVENTION:
-            raise ManifestError(f"{path}: layer convention {m['layers'].get('convention')!r}, expected {CONVENTION!r}")
+        if m.layers.get("convention") != CONVENTION:
+            raise ManifestError(f"{path}: layer convention {m.layers.get('convention')!r}, expected {CONVENTION!r}")
         if expect_target is not None:
             check_target(expect_target, m, path, what="dump target")
         if expect_layer_ids is not None:
-            check_equal("dump layer ids", [int(i) for i in expect_layer_ids], m["layers"]["ids"],
+            check_equal("dump layer ids", [int(i) for i in expect_layer_ids], m.layers["ids"],
                         "expected", f"{path} ({CONVENTION})")
         if expect_tokenizer_digest is not None:
-            check_equal("dump tokenizer/chat-template digest", expect_tokenizer_digest, m.get("tokenizer_digest"),
+            check_equal("dump tokenizer/chat-template digest", expect_tokenizer_digest, m.tokenizer_digest,
                         "expected", str(path))
 
     def _index(self) -> None:
@@ -161,7 +161,7 @@ class DumpReader:
         shard's presence and size are checked; the index itself is read from index/<manifest sha256>.npz when an
         earlier reader of this manifest left it there (opening 100k shards takes minutes, reading it
         milliseconds), else built by opening each shard through the bounded cache, and saved."""
-        entries = self.manifest["shards"]
+        entries = self.manifest.shards
         for entry in entries:
             try:
                 ok = os.stat(os.path.join(self.dir, entry["file"])).st_size == entry["bytes"]
@@ -182,7 +182,7 @@ class DumpReader:
         the loop is kept lean: ~0.1-0.3 ms a shard)."""
         batch_shard, batch_no, batch_rows, lengths = [], [], [], []
         meta_ok = None  # the schema metadata bytes already checked (one plan key: the same in every shard)
-        for s, entry in enumerate(self.manifest["shards"]):
+        for s, entry in enumerate(self.manifest.shards):
             path = os.path.join(self.dir, entry["file"])
             try:
                 mapped = torch.from_file(path, shared=False, size=entry["bytes"], dtype=torch.uint8)
@@ -217,7 +217,7 @@ class DumpReader:
 
     def _check_shard_meta(self, meta: dict, path) -> None:
         for key, want in (("layer_ids", self.layer_ids), ("hidden_size", self.hidden_size),
-                          ("dtype", self.manifest["dtype"])):
+                          ("dtype", self.manifest.dtype)):
             check_equal(f"dump shard {key}", meta[key], want, str(path), str(self.dir / MANIFEST))
 
     def _index_cache_path(self) -> Optional[Path]:
@@ -244,7 +244,7 @@ class DumpReader:
         if shard is not None:
             self._shards.move_to_end(s)
             return shard
-        path = self.dir / self.manifest["shards"][s]["file"]
+        path = self.dir / self.manifest.shards[s]["file"]
         shard = _Shard(path)
         self._check_shard_meta(shard.meta, path)
         self._shards[s] = shard
@@ -286,7 +286,7 @@ class DumpReader:
         """Row i as a person finds it: shard file, row within the shard, sample id."""
         s, b, r = int(self._shard_ix[i]), int(self._batch_ix[i]), int(self._row_ix[i])
         in_shard = int(((self._shard_ix == s) & (self._batch_ix < b)).sum()) + r
-        return f"{self.manifest['shards'][s]['file']} row {in_shard} (id {self[i].id})"
+        return f"{self.manifest.shards[s]['file']} row {in_shard} (id {self[i].id})"
 
     def __iter__(self) -> Iterator[DumpSample]:
         for i in range(len(self)):
@@ -372,13 +372,13 @@ _RECORD_EVERY = 256  # verdicts appended per write while hashing (a kill loses a
 
 
 def verify_shards(dump_dir: Union[str, Path], rank: int = 0, world_size: int = 1, force: bool = False,
-                  manifest: Optional[dict] = None) -> VerifyReport:
+                  manifest: Optional[DumpManifest] = None) -> VerifyReport:
     """Checks this rank's round-robin share of the manifest's shards (by manifest index, so the split never
     depends on what another rank recorded meanwhile): presence and size always; the sha256 of every shard
     without a verdict that still holds (`force`: of every shard), recording each match in this rank's file
     of `verified/`. With several ranks they combine the verdict, so the dump is read once, not per rank."""
     dump_dir = Path(dump_dir)
-    entries = (manifest or load_manifest(dump_dir, expect_stage="dump"))["shards"][rank::world_size]
+    entries = (manifest or DumpManifest.load(Path(dump_dir))).shards[rank::world_size]
     known = {} if force else load_verified(dump_dir)
     report, pending = VerifyReport([]), []
     for entry in entries:

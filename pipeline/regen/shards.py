@@ -154,12 +154,14 @@ class RegenDir:
         """Whether manifest.json is complete and lists exactly these shards (then it is left as it is: the
         next stage may be reading it already)."""
         path = self.root / "manifest.json"
+        from pipeline.manifest import RegenManifest
+
         try:
-            manifest = json.loads(path.read_text())
-        except (OSError, ValueError):
+            manifest = RegenManifest.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
             return False
-        return (manifest.get("complete") is True and (manifest.get("plan") or {}).get("digest") == plan_digest
-                and [s.get("sha256") for s in manifest.get("shards", [])] == [m["sha256"] for m in markers])
+        return (manifest.complete and manifest.plan.get("digest") == plan_digest
+                and [s.get("sha256") for s in manifest.shards] == [m["sha256"] for m in markers])
 
 
 class ConversationJournal:
@@ -221,13 +223,13 @@ def sum_stats(stats: list[dict]) -> dict:
 
 def regen_sources(regen_dir: Path) -> list[SourceConfig]:
     """Data-layer sources of a finished regen run (the shards its manifest lists), for the next stage."""
-    from pipeline.manifest import ManifestError, file_problem, load_manifest
+    from pipeline.manifest import ManifestError, RegenManifest, file_problem
 
-    manifest = load_manifest(regen_dir, expect_stage="regen")
-    for s in manifest["shards"]:  # a changed answer file would silently train on other text
+    manifest = RegenManifest.load(regen_dir)
+    for s in manifest.shards:  # a changed answer file would silently train on other text
         if problem := file_problem(Path(regen_dir) / s["path"], None, s.get("sha256")):
             done = RegenDir(regen_dir).done_path(int(Path(s["path"]).stem.removeprefix("shard-")))
             raise ManifestError(f"regen {regen_dir}: shard {s['path']}: {problem}; delete it and {done}, then rerun "
                                 f"the regen stage: it regenerates that shard only")
     return [SourceConfig(path=str(Path(regen_dir) / s["path"]), format="sharegpt",
-                         id_prefix=Path(s["path"]).stem) for s in manifest["shards"]]
+                         id_prefix=Path(s["path"]).stem) for s in manifest.shards]
