@@ -36,9 +36,9 @@ import torch  # noqa: E402
 from bench_methods import MT_BENCH, aggregate, decode_turn, fp32_vanilla_pays  # noqa: E402
 from pipeline.data.bad_records import BadRecordReport  # noqa: E402
 from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
-from pipeline.eval.autotree import RecordingDrafter, accepted_paths  # noqa: E402
-from pipeline.eval.decoder import acceptance_rates, generate  # noqa: E402
-from pipeline.eval.drafter import make_drafter  # noqa: E402
+from pipeline.decoding.autotree import RecordingDrafter, accepted_paths  # noqa: E402
+from pipeline.decoding.decoder import acceptance_rates, generate  # noqa: E402
+from pipeline.decoding.drafter import make_drafter  # noqa: E402
 from pipeline.eval.questions import load_questions  # noqa: E402
 from pipeline.heads.io import load_head  # noqa: E402
 from pipeline.target import TargetConfig, load_target  # noqa: E402

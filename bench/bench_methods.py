@@ -36,12 +36,12 @@ import torch  # noqa: E402
 
 from pipeline.data.bad_records import BadRecordReport  # noqa: E402
 from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
-from pipeline.eval.autotree import choose_tree  # noqa: E402
+from pipeline.decoding.autotree import choose_tree  # noqa: E402
+from pipeline.decoding.decoder import acceptance_rates, generate, vanilla_generate  # noqa: E402
+from pipeline.decoding.drafter import make_drafter  # noqa: E402
+from pipeline.decoding.lookup import PromptLookupDrafter  # noqa: E402
 from pipeline.eval.config import TreeConfig  # noqa: E402
-from pipeline.eval.decoder import acceptance_rates, generate, vanilla_generate  # noqa: E402
-from pipeline.eval.drafter import make_drafter  # noqa: E402
 from pipeline.eval.evaluate import system_messages  # noqa: E402
-from pipeline.eval.lookup import PromptLookupDrafter  # noqa: E402
 from pipeline.eval.questions import load_questions  # noqa: E402
 from pipeline.heads.io import load_head  # noqa: E402
 from pipeline.manifest import load_manifest  # noqa: E402

@@ -27,9 +27,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
-from pipeline.eval.autotree import choose_tree, verify_costs  # noqa: E402
-from pipeline.eval.decoder import generate, vanilla_generate  # noqa: E402
-from pipeline.eval.drafter import make_drafter  # noqa: E402
+from pipeline.decoding.autotree import choose_tree, verify_costs  # noqa: E402
+from pipeline.decoding.decoder import generate, vanilla_generate  # noqa: E402
+from pipeline.decoding.drafter import make_drafter  # noqa: E402
 from pipeline.heads.io import load_head  # noqa: E402
 from pipeline.target import TargetConfig, load_target  # noqa: E402
 

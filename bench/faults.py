@@ -32,7 +32,7 @@ write or after the last one).
 A kill that comes too late (this run was faster than the reference's) is retried, on fresh inputs, at the same
 fraction of the span that run took (at most 3 attempts, recorded). Each kill is classified by what it left:
 `too_late` (the stage had already exited), `mid_write` (a temporary
-of an atomic writer -- `.shard-N.arrow.tmp`, `.step-N.tmp`, `.final.tmp`, `.<name>.<pid>.tmp`,
+of an atomic writer -- `.shard-N.arrow.tmp`, `.step-N.tmp`, `.<name>.<pid>.tmp` (pipeline/files.py),
 `.metrics.jsonl.tmp`, ... -- or a torn last line of an appended *.jsonl was in the stage directory right after
 the kill), `before_write` (no file yet) or `between_writes`. Temporaries still there after the resume are
 reported as leftovers (garbage, not a difference). Results: bench/results/faults.json (faults_tiny.json with

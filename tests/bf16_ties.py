@@ -42,7 +42,7 @@ def vanilla_state(model, prompt: list[int], generated: list[int]) -> tuple[torch
     decoding computes it: the prompt in one forward, then one KV-cached token at a time."""
     from transformers import DynamicCache
 
-    from pipeline.eval.decoder import cache_kwarg
+    from pipeline.decoding.decoder import cache_kwarg
 
     device = next(model.parameters()).device
     kw = {cache_kwarg(model): DynamicCache(config=model.config), "use_cache": True}
@@ -80,7 +80,7 @@ def oracle(vocab_size: int):
 def divergences(model, prompts: list[list[int]], new_tokens: int, drafter_factory, tree=(10, 6, 60)) -> list[dict]:
     """Tree decoding against vanilla decoding of each prompt (same dtype, greedy); one row per prompt with
     the first differing position, if any, checked against the tie bound."""
-    from pipeline.eval.decoder import generate, vanilla_generate
+    from pipeline.decoding.decoder import generate, vanilla_generate
 
     rows = []
     for i, ids in enumerate(prompts):

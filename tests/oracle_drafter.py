@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipeline.eval.tree import DraftTree, TreeSpec, build_draft_tree
+from pipeline.decoding.tree import DraftTree, TreeSpec, build_draft_tree
 
 
 class OracleDrafter:

@@ -1,4 +1,4 @@
-"""Tree size for the hardware (pipeline/eval/autotree.py): the sub-tree simulation gives exactly the accepted
+"""Tree size for the hardware (pipeline/decoding/autotree.py): the sub-tree simulation gives exactly the accepted
 length a smaller tree would have had at the same step, the choice follows the cost table, and the eval stage
 runs with tree.depth=-1 and tree.total_tokens=-1, records the table, and stays lossless."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pipeline.config import WandbConfig
-from pipeline.eval.autotree import StepRecord, calibrate, choose, subtree_accepted
+from pipeline.decoding.autotree import StepRecord, calibrate, choose, subtree_accepted
+from pipeline.decoding.tree import DraftTree, TreeSpec, build_draft_tree
 from pipeline.eval.config import EvalConfig, TreeConfig
-from pipeline.eval.tree import DraftTree, TreeSpec, build_draft_tree
 from test_export import fake_train_stage, make_head, stage_config
 from test_lossless import QUESTIONS, chat_ids, hf_greedy
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import bf16_ties
-import pipeline.eval.decoder as decoder
+import pipeline.decoding.decoder as decoder
 from bf16_ties import divergences, oracle
 from conftest import build_tiny_llama
 

@@ -160,3 +160,12 @@ def test_method_bench_trains_on_a_part_of_the_quality_data_and_chooses_its_trees
     assert all(s.path in quality and s.limit <= quality[s.path] for s in cfg.data.sources)
     assert len(cfg.data.held_out) == 6 and cfg.data.dedupe_prompts
     assert cfg.tree.is_auto and cfg.eval.limit == 40 and cfg.eval.max_new_tokens == 128
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
+def test_every_experiment_composes_into_the_typed_config(experiment):
+    """Every file of conf/experiment/ (a new one is covered by being there) composes against the schema: a key
+    an experiment misspells, or a value of the wrong type or choice, fails here rather than on a cluster."""
+    cfg = compose_cfg([f"experiment={experiment}"])
+    assert isinstance(cfg, EagletConfig) and cfg.name == experiment
+    assert cfg.stage_dir("train").name == cfg.head.name

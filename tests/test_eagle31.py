@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.eval.decoder import generate
-from pipeline.eval.drafter import EagleDrafter
+from pipeline.decoding.decoder import generate
+from pipeline.decoding.drafter import EagleDrafter
 from pipeline.export.exporter import check_export, load_export, max_logit_diff
 from pipeline.heads.config import DraftHeadConfig
 from pipeline.heads.losses import align_batch

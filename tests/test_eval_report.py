@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeline.eval.decoder import GenerationResult
+from pipeline.decoding.decoder import GenerationResult
 from pipeline.eval.evaluate import TurnRecord
 from pipeline.eval.progress import PARTIAL, EvalProgress
 from pipeline.eval.report import summarize

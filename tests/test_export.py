@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, DynamicCache, LlamaConfig
 
 from pipeline.config import EagletConfig, TargetConfig
-from pipeline.eval.decoder import generate, target_forward, vanilla_generate
-from pipeline.eval.drafter import EagleDrafter
+from pipeline.decoding.decoder import generate, target_forward, vanilla_generate
+from pipeline.decoding.drafter import EagleDrafter
 from pipeline.export import formats as fmts
 from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import (

@@ -18,7 +18,7 @@ import torch
 from families import FAMILIES, build_family
 from oracle_drafter import OracleDrafter
 from pipeline.data.chat import ChatTemplateError, render_prompt, stop_token_ids, tokenize_conversation
-from pipeline.eval.decoder import generate
+from pipeline.decoding.decoder import generate
 from pipeline.families import FAMILIES as RECORDS
 from pipeline.families import Attention, FinalNorm, attention_layer_types, family_of
 from pipeline.manifest import load_manifest

@@ -1,4 +1,4 @@
-"""Prompt lookup (pipeline/eval/lookup.py), the training-free baseline: what it drafts (the continuations of the
+"""Prompt lookup (pipeline/decoding/lookup.py), the training-free baseline: what it drafts (the continuations of the
 longest matching suffix n-gram, merged into a trie), that greedy decoding with it equals HF greedy decoding
 token for token, and the eval stage running it without a trained head. Its trees carry no proposal (drafts
 are deterministic), so sampling verifies them by the path test_sampling.py's top-k trees check."""
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from pipeline.eval.decoder import generate
-from pipeline.eval.lookup import PromptLookupDrafter
-from pipeline.eval.tree import TreeSpec
+from pipeline.decoding.decoder import generate
+from pipeline.decoding.lookup import PromptLookupDrafter
+from pipeline.decoding.tree import TreeSpec
 from pipeline.run import run_stages
 from test_config import compose_cfg
 from test_lossless import QUESTIONS, chat_ids, hf_greedy
@@ -77,7 +77,7 @@ def test_a_smaller_lookup_tree_accepts_what_the_tree_choice_simulates():
     # tree.total_tokens=-1 calibrates with one big tree and derives every smaller one (autotree.py): for prompt
     # lookup that holds when a smaller tree is the first-inserted part of the big one. Contexts with many
     # repeats (a small alphabet) give tries with shared prefixes, distinct long continuations and full trees.
-    from pipeline.eval.autotree import StepRecord, subtree_accepted
+    from pipeline.decoding.autotree import StepRecord, subtree_accepted
 
     rng = torch.Generator().manual_seed(0)
     big, checked = TreeSpec(top_k=6, depth=7, total_tokens=24), 0

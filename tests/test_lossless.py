@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from oracle_drafter import OracleDrafter
-from pipeline.eval.decoder import generate, vanilla_generate
-from pipeline.eval.drafter import EagleDrafter
+from pipeline.decoding.decoder import generate, vanilla_generate
+from pipeline.decoding.drafter import EagleDrafter
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig
 
@@ -118,7 +118,7 @@ def test_tree_decoding_equals_hf_generate_on_smollm2(smollm2):
 
 def test_row_logits_equal_the_full_lm_head(tiny_model, references):
     """Verification reads lm_head rows lazily (RowLogits); each row equals the forward's own logits."""
-    from pipeline.eval.decoder import RowLogits, _new_cache, supports_row_logits, target_forward
+    from pipeline.decoding.decoder import RowLogits, _new_cache, supports_row_logits, target_forward
 
     assert supports_row_logits(tiny_model)
     prompt, _ = references[1]

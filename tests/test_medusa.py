@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.eval.decoder import generate
-from pipeline.eval.drafter import MedusaDrafter, make_drafter
-from pipeline.eval.tree import TreeSpec
+from pipeline.decoding.decoder import generate
+from pipeline.decoding.drafter import MedusaDrafter, make_drafter
+from pipeline.decoding.tree import TreeSpec
 from pipeline.export.formats.base import ExportError, format_for_head
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig

@@ -12,11 +12,11 @@ from scipy.stats import chisquare
 from transformers import DynamicCache
 
 from conftest import build_tiny_llama
-from pipeline.eval import verify
-from pipeline.eval.decoder import generate, target_forward
-from pipeline.eval.drafter import EagleDrafter
-from pipeline.eval.tree import DraftTree, TreeSpec, build_draft_tree
-from pipeline.eval.verify import logits_to_probs
+from pipeline.decoding import verify
+from pipeline.decoding.decoder import generate, target_forward
+from pipeline.decoding.drafter import EagleDrafter
+from pipeline.decoding.tree import DraftTree, TreeSpec, build_draft_tree
+from pipeline.decoding.verify import logits_to_probs
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig
 

@@ -6,9 +6,9 @@ import torch
 from transformers import DynamicCache
 
 from conftest import build_tiny_llama
-from pipeline.eval.decoder import keep_accepted_kv, target_forward
-from pipeline.eval.drafter import EagleDrafter
-from pipeline.eval.tree import DraftTree, TreeSpec, build_draft_tree
+from pipeline.decoding.decoder import keep_accepted_kv, target_forward
+from pipeline.decoding.drafter import EagleDrafter
+from pipeline.decoding.tree import DraftTree, TreeSpec, build_draft_tree
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig
 

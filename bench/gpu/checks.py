@@ -38,7 +38,7 @@ def ties(device: str, prompts: int = 6, new_tokens: int = 96) -> dict:
 
 
 def tree_cost(device: str, target: str | None) -> dict:
-    from pipeline.eval.autotree import verify_costs
+    from pipeline.decoding.autotree import verify_costs
     from pipeline.target import TargetConfig, load_target
 
     cfg = TargetConfig(device=device, path=target) if target else TargetConfig(device=device)

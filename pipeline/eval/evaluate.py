@@ -11,9 +11,9 @@ import torch
 from tqdm import tqdm
 
 from pipeline.data.chat import ThinkingMode, render_prompt, stop_token_ids
+from pipeline.decoding.decoder import GenerationResult, generate, mean_accepted_tokens, vanilla_generate
+from pipeline.decoding.drafter import Drafter
 from pipeline.eval.config import EvalConfig, TreeConfig
-from pipeline.eval.decoder import GenerationResult, generate, mean_accepted_tokens, vanilla_generate
-from pipeline.eval.drafter import Drafter
 from pipeline.eval.questions import Question
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pipeline.eval.decoder import acceptance_rates, mean_accepted_tokens
+from pipeline.decoding.decoder import acceptance_rates, mean_accepted_tokens
 from pipeline.eval.evaluate import TurnRecord
 
 

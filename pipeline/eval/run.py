@@ -11,11 +11,11 @@ import torch
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import check_thinking, render_prompt, stop_token_ids
+from pipeline.decoding.autotree import choose_tree
+from pipeline.decoding.drafter import lockstep, make_drafter
+from pipeline.decoding.lookup import PromptLookupDrafter
 from pipeline.dist import TargetLayout, rank_info, rank_target_config, target_layout
-from pipeline.eval.autotree import choose_tree
-from pipeline.eval.drafter import lockstep, make_drafter
 from pipeline.eval.evaluate import answer_questions, record_dict, system_messages
-from pipeline.eval.lookup import PromptLookupDrafter
 from pipeline.eval.progress import EvalProgress
 from pipeline.eval.questions import load_questions
 from pipeline.eval.report import format_summary, log_wandb, plot_summary, summarize

@@ -169,3 +169,9 @@ class DraftHeadConfig:
         if unknown:
             raise ValueError(f"unknown DraftHeadConfig fields: {sorted(unknown)}")
         return cls(**d)
+
+
+def build_draft_head(config: DraftHeadConfig):
+    """A fresh head of `config.kind` (an nn.Module; weights random, frozen target copies and vocabulary set by
+    the caller)."""
+    return head_spec(config.kind).head_class(config)

@@ -15,8 +15,7 @@ from torch import nn
 from pipeline.files import atomic_write_text
 from pipeline.manifest import ManifestError, TrainManifest, check_files, check_target
 
-from .config import DraftHeadConfig
-from .registry import build_draft_head
+from .config import DraftHeadConfig, build_draft_head
 
 FINAL = "final"
 HEAD_WEIGHTS = "model.safetensors"

@@ -8,7 +8,7 @@ hidden state (its final-norm output, the dump's final feature), the target froze
                           draft vocabulary keeps the comparison at equal output size and the CPU cost down)
 
 Unlike EAGLE, a head never sees the drafted tokens: the candidates at depth i + 1 are head i's top tokens for
-every parent. Decoding builds a score-pruned tree over them (pipeline/eval/drafters: MedusaDrafter). Training
+every parent. Decoding builds a score-pruned tree over them (pipeline/decoding/drafter.py: MedusaDrafter). Training
 (Medusa-1): cross-entropy on the next tokens, which in eaglet's data are the target's own answers, weighted
 `decay**i` per head. Medusa has no serving export here.
 """

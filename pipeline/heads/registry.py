@@ -12,12 +12,6 @@ and one import line in pipeline/heads/__init__.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from .config import DraftHeadConfig
 
 
 @dataclass(frozen=True)
@@ -32,7 +26,7 @@ class HeadSpec:
     full_vocab: bool  # predicts over the target vocabulary (no draft vocabulary of its own)
     # pipeline/export/formats/ names, the first the default; none: an eval-only baseline (medusa)
     export_formats: tuple[str, ...]
-    drafter: str = "eagle"  # how eval drafts with it: pipeline/eval/drafter.py DRAFTERS
+    drafter: str = "eagle"  # how eval drafts with it: pipeline/decoding/drafter.py DRAFTERS
 
     @property
     def fuses_target_layers(self) -> bool:
@@ -55,8 +49,3 @@ def head_spec(kind: str) -> HeadSpec:
         return HEADS[kind]
     except KeyError:
         raise ValueError(f"unknown head kind {kind!r}: registered kinds are {sorted(HEADS)}") from None
-
-
-def build_draft_head(config: "DraftHeadConfig") -> "nn.Module":
-    """A fresh head of `config.kind` (weights random; frozen target copies and vocabulary set by the caller)."""
-    return head_spec(config.kind).head_class(config)

@@ -110,8 +110,8 @@ class TauProbe:
 
     @torch.no_grad()
     def __call__(self, head: nn.Module) -> dict[str, float]:
-        from pipeline.eval.decoder import generate, mean_accepted_tokens
-        from pipeline.eval.drafter import lockstep, make_drafter
+        from pipeline.decoding.decoder import generate, mean_accepted_tokens
+        from pipeline.decoding.drafter import lockstep, make_drafter
 
         was_training = head.training
         accept_lengths, t0 = [], time.perf_counter()
