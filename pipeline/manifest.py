@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Optional
 
-from pipeline.files import atomic_write_text, sha256_file
+from pipeline.files import atomic_write_text, sha256_file, stale_tmp_siblings
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings
     # A run killed inside this write left its temporary (named by its pid). Ranks of one job may write the
     # manifest at nearly the same moment (the dump's last rank), so only a temporary older than any write
     # takes is removed.
-    for stale in out_dir.glob(f".{MANIFEST}.*.tmp"):
+    for stale in stale_tmp_siblings(path):
         try:
             if time.time() - stale.stat().st_mtime > STALE_TMP_S:
                 stale.unlink(missing_ok=True)

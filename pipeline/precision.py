@@ -21,7 +21,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -134,15 +134,15 @@ def cpu_computes_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
-def resolve_dtype(name: str, device: torch.device, what: str = "dtype", choices: Optional[Iterable[str]] = None,
-                  bf16_is_fast: Optional[Callable[[torch.device], bool]] = None) -> torch.dtype:
-    """The one reading of a configured dtype: a name or alias, or `auto` (or empty): bf16 where fast on `device`
-    (`bf16_is_fast`, by default this machine's measured decision, `fast_bf16`), else fp32. `choices` narrows
-    the names a setting accepts; `what` names the setting in the error."""
-    if name in ("auto", ""):
-        fast = bf16_is_fast(device) if bf16_is_fast is not None else fast_bf16(device.type)
-        return torch.bfloat16 if fast else torch.float32
-    dtype = parse_dtype(name, what)
+def resolve_dtype(name: str, device: torch.device, what: str = "dtype",
+                  choices: Optional[Iterable[str]] = None) -> torch.dtype:
+    """The one reading of a configured dtype: a name or alias, or `auto`: bf16 where fast on `device` (this
+    machine's measured decision, `fast_bf16`), else fp32. `choices` narrows the dtypes a setting accepts; `what`
+    names the setting in the error."""
+    if name == "auto":
+        dtype = torch.bfloat16 if fast_bf16(device.type) else torch.float32
+    else:
+        dtype = parse_dtype(name, what)
     if choices is not None and dtype_name(dtype) not in (allowed := list(choices)):
         raise ValueError(f"{what}={name!r}: choose one of {', '.join(allowed)}")
     return dtype

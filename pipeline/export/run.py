@@ -14,6 +14,7 @@ import torch
 
 from pipeline.heads.io import load_head
 from pipeline.manifest import file_digests, load_manifest, write_manifest
+from pipeline.precision import resolve_dtype
 from pipeline.target import load_target_parts
 
 from .exporter import (
@@ -26,7 +27,7 @@ from .exporter import (
     model_architectures,
     tensor_table,
 )
-from .formats import DTYPE_NAMES, ExportContext, ExportError, format_for_head, resolve_dtype
+from .formats import DTYPE_NAMES, ExportContext, ExportError, format_for_head
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ def main(cfg) -> Path:
     t0 = time.perf_counter()
     ecfg = cfg.export
     train_dir, export_root = cfg.stage_dir("train"), cfg.stage_dir("export")
-    dtype = resolve_dtype(ecfg.dtype)  # settings first: fail before loading anything
+    # Settings first: fail before loading anything. A storage dtype, so no device's speed enters.
+    dtype = resolve_dtype(str(ecfg.dtype), torch.device("cpu"), "export.dtype", choices=DTYPE_NAMES.values())
     load_manifest(train_dir, expect_stage="train")
     target = load_target_parts(cfg.target)  # the embedding and lm_head a head copies, not the model
     # fp32 whatever the target's dtype: the export casts once, from the trained weights.

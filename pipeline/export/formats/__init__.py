@@ -16,5 +16,4 @@ from .base import (  # noqa: F401
                    export_format,
                    format_for_head,
                    register_format,
-                   resolve_dtype,
 )

@@ -26,15 +26,6 @@ class ExportError(RuntimeError):
     pass
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    from pipeline.precision import ALIASES, DTYPES
-
-    dtype = DTYPES.get(ALIASES.get(str(name), str(name)))
-    if dtype not in DTYPE_NAMES:
-        raise ExportError(f"export.dtype={name!r}: choose bfloat16 or float32")
-    return dtype
-
-
 @dataclass(frozen=True)
 class ExportContext:
     """What an export needs beyond the head: the target's depth, how the serving side names it, the settings
