@@ -23,7 +23,7 @@ from pipeline.data.config import DataConfig
 from pipeline.regen import run as regen_run
 from pipeline.regen.config import OpenAIBackendConfig, RegenConfig
 from pipeline.regen.llama_server import free_port
-from pipeline.regen.openai_backend import OpenAIBackend, base_urls
+from pipeline.regen.openai_backend import OpenAIBackend, ServerPool, base_urls
 from pipeline.regen.run import RegenPending
 from pipeline.regen.shards import RegenDir
 from pipeline.regen.stream import FailureWindow, RegenFailing
@@ -205,7 +205,23 @@ def test_two_servers_share_the_work_and_a_dead_ones_requests_go_to_the_other(tmp
         real_close(self)
 
     monkeypatch.setattr(OpenAIBackend, "close", close)
-    watcher = _when_journaled(cfg, a.kill, n=2)
+    live = {}  # answers per server as they come, so that `a` dies only once it answered one
+    real_release = ServerPool.release
+
+    def release(self, server, error=None, attempt=1):
+        real_release(self, server, error, attempt)
+        live[server.url] = server.answered
+
+    monkeypatch.setattr(ServerPool, "release", release)
+
+    def kill_a_once_it_answered():
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and live.get(a.url, 0) < 1:
+            time.sleep(0.02)
+        a.kill()
+
+    watcher = threading.Thread(target=kill_a_once_it_answered, daemon=True)
+    watcher.start()
     try:
         summary = regen_run.main(cfg)
         watcher.join(timeout=60)
