@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_stages import cpu_model  # noqa: E402
-from pipeline.config import EagletConfig, HeadConfig  # noqa: E402
+from pipeline.config import EagletConfig  # noqa: E402
 from pipeline.data.config import DataConfig, SourceConfig  # noqa: E402
+from pipeline.heads import Eagle3HeadConfig  # noqa: E402
 from pipeline.hidden_states.config import DumpConfig  # noqa: E402
 from pipeline.hidden_states.reader import DumpReader, verify_shards  # noqa: E402
 from pipeline.target import TargetConfig  # noqa: E402
@@ -47,7 +48,7 @@ def config(work: Path, conversations: int) -> EagletConfig:
     return EagletConfig(
         name="integrity", output_root=str(work), target=TargetConfig(),
         data=DataConfig(sources=[SourceConfig(path=str(SOURCE), limit=conversations)], max_length=2048),
-        dump=DumpConfig(input="data", shard_bytes=64 << 20), head=HeadConfig(ttt_steps=7, draft_vocab_size=16000),
+        dump=DumpConfig(input="data", shard_bytes=64 << 20), head=Eagle3HeadConfig(ttt_steps=7, draft_vocab_size=16000),
         train=TrainConfig(epochs=1, micro_batch_tokens=4096, warmup_steps=2, save_every=0, eval_every=0,
                           tau_prompts=0, plot=False, lr=1e-3, val_max_batches=1))
 

@@ -200,7 +200,8 @@ def bench_regen(args, work: Path) -> dict:
 
 def stage_cfg(work: Path, name: str, regen_dir: Path, precision: str, **sections) -> EagletConfig:
     """An experiment under `work` whose regen stage is `regen_dir` (linked), at `precision`."""
-    from pipeline.config import EvalConfig, HeadConfig
+    from pipeline.config import EvalConfig
+    from pipeline.heads import Eagle3HeadConfig
     from pipeline.hidden_states.config import DumpConfig
     from pipeline.train.config import TrainConfig
 
@@ -210,7 +211,7 @@ def stage_cfg(work: Path, name: str, regen_dir: Path, precision: str, **sections
         link.symlink_to(regen_dir.resolve())
     return EagletConfig(name=name, output_root=str(work), target=TargetConfig(dtype=precision),
                         dump=sections.get("dump", DumpConfig()), train=sections.get("train", TrainConfig()),
-                        head=sections.get("head", HeadConfig()), eval=sections.get("eval", EvalConfig()))
+                        head=sections.get("head", Eagle3HeadConfig()), eval=sections.get("eval", EvalConfig()))
 
 
 def pair(name_fp32: str, fp32: float, name_bf16: str, bf16: float) -> dict:
@@ -313,13 +314,13 @@ def read_memory(dump_dir: Path, larger: Path) -> dict:
 
 
 def bench_train(cfgs: dict, steps: int) -> dict:
-    from pipeline.config import HeadConfig
+    from pipeline.heads import Eagle3HeadConfig
     from pipeline.train import run as train_run
     from pipeline.train.config import TrainConfig
 
     rows = {}
     for precision, cfg in cfgs.items():
-        cfg.head = HeadConfig(ttt_steps=7, draft_vocab_size=8000)
+        cfg.head = Eagle3HeadConfig(ttt_steps=7, draft_vocab_size=8000)
         cfg.train = TrainConfig(max_steps=steps, epochs=100, micro_batch_tokens=4096, warmup_steps=2, save_every=0,
                                 eval_every=0, tau_prompts=0, plot=False, lr=1e-3, val_max_batches=2,
                                 mixed_precision="bf16" if precision == "bfloat16" else "no")

@@ -11,7 +11,7 @@ from pipeline.data.config import DataConfig, SourceConfig  # noqa: F401  (re-exp
 from pipeline.data.templates import template_label
 from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.export.config import ExportConfig
-from pipeline.heads import HeadConfig
+from pipeline.heads import HeadConfig, head_config
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.regen.config import RegenConfig
 from pipeline.target import TargetConfig  # noqa: F401  (re-exported)
@@ -52,6 +52,8 @@ class EagletConfig:
     log_level: str = "INFO"
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    # The schema holds the base class, so that the `head` group (conf/head/<kind>.yaml) can put the kind's own
+    # options class there; built in Python without one, the kind's defaults.
     head: HeadConfig = field(default_factory=HeadConfig)
     regen: RegenConfig = field(default_factory=RegenConfig)
     dump: DumpConfig = field(default_factory=DumpConfig)
@@ -63,6 +65,8 @@ class EagletConfig:
 
     def __post_init__(self) -> None:
         self.stage = Stage.parse(self.stage, "stage")
+        if type(self.head) is HeadConfig:
+            self.head = head_config(self.head.kind, name=self.head.name)
 
     # Output layout: regen/dump per experiment; train/eval/export per head, so heads never collide.
     @property

@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import STAGES, EagletConfig
+from pipeline.heads import HEADS
 from pipeline.lock import OutputLock
 from pipeline.manifest import DiskFull, disk_full
 
@@ -30,7 +31,10 @@ log = logging.getLogger("eaglet")
 
 
 def register_configs() -> None:
-    ConfigStore.instance().store(name="eaglet_schema", node=EagletConfig)
+    store = ConfigStore.instance()
+    store.store(name="eaglet_schema", node=EagletConfig)
+    for kind, spec in HEADS.items():  # conf/head/<kind>.yaml starts from `<kind>_schema`
+        store.store(group="head", name=f"{kind}_schema", node=spec.options_class)
 
 
 def to_typed(cfg: DictConfig) -> EagletConfig:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import DataConfig, EagletConfig, EvalConfig, HeadConfig, TargetConfig, WandbConfig
+from pipeline.config import DataConfig, EagletConfig, EvalConfig, TargetConfig, WandbConfig
+from pipeline.heads import head_config
 from pipeline.hidden_states.reader import DumpReader
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
@@ -24,7 +25,7 @@ def config(root: Path, model_dir: Path, kind: str) -> EagletConfig:
     return EagletConfig(
         name="old", output_root=str(root), target=TargetConfig(name="tiny", path=str(model_dir), gguf_package=None),
         data=DataConfig(max_length=256), wandb=WandbConfig(mode="disabled"),
-        head=HeadConfig(kind=kind, name=kind, ttt_steps=3, draft_vocab_size=200),
+        head=head_config(kind, **({"ttt_steps": 3, "draft_vocab_size": 200} if kind == "eagle3" else {})),
         train=TrainConfig(epochs=4, lr=3e-3, warmup_steps=2, micro_batch_tokens=256, save_every=4, eval_every=4,
                           val_fraction=0.2, tau_prompts=0, plot=False, seed=0, mixed_precision="no"),
         eval=EvalConfig(limit=2, max_new_tokens=16, baseline=False))

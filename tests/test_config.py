@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from pipeline.config import EagletConfig
+from pipeline.heads import HEADS, head_config
 from pipeline.run import stage_main, to_typed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,9 +164,33 @@ def test_method_bench_trains_on_a_part_of_the_quality_data_and_chooses_its_trees
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
-def test_every_experiment_composes_into_the_typed_config(experiment):
-    """Every file of conf/experiment/ (a new one is covered by being there) composes against the schema: a key
-    an experiment misspells, or a value of the wrong type or choice, fails here rather than on a cluster."""
-    cfg = compose_cfg([f"experiment={experiment}"])
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_every_experiment_composes_into_the_typed_config(experiment, kind):
+    """Every file of conf/experiment/ (a new one is covered by being there) composes against the schema with every
+    head kind: a key an experiment misspells, or a value of the wrong type or choice, fails here rather than on a
+    cluster; an experiment's options for one kind (conf/head_recipe/<kind>/) never reach another."""
+    cfg = compose_cfg([f"experiment={experiment}", f"head={kind}"])
     assert isinstance(cfg, EagletConfig) and cfg.name == experiment
+    assert type(cfg.head) is HEADS[kind].options_class and cfg.head.kind == kind
     assert cfg.stage_dir("train").name == cfg.head.name
+
+
+def test_each_head_kind_has_its_own_typed_options():
+    """head=<kind> selects the kind's options class: another kind's option fails at compose, naming the class;
+    an experiment's recipe applies to the kind it is written for; architecture options reach DraftHeadConfig."""
+    methods = {k: compose_cfg(["experiment=smollm2_methods", f"head={k}"]).head for k in HEADS}
+    assert (methods["eagle3"].draft_vocab_size, methods["eagle3"].ttt_steps) == (8000, 5)
+    assert methods["medusa"].draft_vocab_size == 8000 and not hasattr(methods["eagle1"], "draft_vocab_size")
+    assert compose_cfg(["head.ttt_steps=3"]).head.ttt_steps == 3  # the command line beats the recipe
+    for kind, option in (("eagle1", "head.ttt_steps=3"), ("medusa", "head.fc_bias=true"),
+                         ("eagle3", "head.medusa_num_heads=2")):
+        with pytest.raises(Exception) as e:
+            compose_cfg([f"head={kind}", option])
+        assert f"not in '{type(methods[kind]).__name__}'" in str(e.value) + str(e.value.__cause__)
+    with pytest.raises(ValueError, match="head.kind=eagle1 takes the options of Eagle1HeadConfig"):
+        compose_cfg(["head.kind=eagle1"])  # the kind is chosen by the group, with its options
+    with pytest.raises(ValueError, match=r"head kind eagle1 has no option ttt_steps \(its options: "):
+        head_config("eagle1", ttt_steps=3)
+    assert head_config("eagle1", fc_bias=True).architecture_options() == {"rope_theta": 10000.0, "fc_bias": True}
+    assert set(head_config("medusa").architecture_options()) == {"medusa_num_heads", "medusa_num_layers"}
+    assert type(EagletConfig().head) is HEADS["eagle3"].options_class  # built in Python: the kind's defaults

@@ -32,7 +32,7 @@ from pipeline.export.exporter import (
 )
 from pipeline.export.formats.sglang import sglang_captured_layers, sglang_layers_agree
 from pipeline.files import sha256_file
-from pipeline.heads import HeadConfig, build_draft_head, default_aux_layer_ids
+from pipeline.heads import build_draft_head, default_aux_layer_ids, head_config
 from pipeline.heads.config import DraftHeadConfig
 from pipeline.heads.io import save_head
 from pipeline.heads.vocab import vocab_from_ids
@@ -342,7 +342,7 @@ def test_bf16_export_gives_the_same_greedy_tau(tiny_model, tmp_path, distilled_h
 def stage_config(root: Path, model_dir: Path, kind: str = "eagle3", **export_kw) -> EagletConfig:
     target = TargetConfig(name="tiny", path=str(model_dir), gguf_package=None, gguf_file=None, hub_id=VERIFIER)
     return EagletConfig(stage="export", name="t", output_root=str(root), target=target,
-                        head=HeadConfig(kind=kind, name=kind), export=ExportConfig(**export_kw))
+                        head=head_config(kind), export=ExportConfig(**export_kw))
 
 
 def fake_train_stage(cfg: EagletConfig, head) -> Path:

@@ -22,7 +22,7 @@ from pipeline.data.chat import (
 from pipeline.data.config import DataConfig
 from pipeline.dist import rank_info
 from pipeline.eval.config import EvalConfig, TreeConfig
-from pipeline.heads.config import HeadConfig
+from pipeline.heads import Eagle3HeadConfig
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.reader import DumpReader
 from pipeline.manifest import ManifestError, load_manifest
@@ -113,7 +113,7 @@ def _config(tmp_path, qwen3_dir, source, thinking, stage="regen", **kw) -> Eagle
         data=DataConfig(name="tiny", sources=[str(source)], max_length=96),
         regen=RegenConfig(backend="hf", batch_size=2, batches_per_shard=2, max_new_tokens=6, progress=False,
                           thinking=thinking),
-        dump=DumpConfig(), head=HeadConfig(kind="eagle3", name="h", draft_vocab_size=64, ttt_steps=2),
+        dump=DumpConfig(), head=Eagle3HeadConfig(name="h", draft_vocab_size=64, ttt_steps=2),
         train=TrainConfig(max_steps=2, warmup_steps=1, micro_batch_tokens=256, val_fraction=0.25, save_every=0,
                           eval_every=0, tau_prompts=0, plot=False, log_every=1),
         wandb=WandbConfig(mode="disabled"), **kw)

@@ -21,7 +21,7 @@ import torch
 from pipeline.config import EagletConfig, TargetConfig, WandbConfig
 from pipeline.data.config import DataConfig, SourceConfig
 from pipeline.files import sha256_file
-from pipeline.heads import HeadConfig
+from pipeline.heads import head_config
 from pipeline.heads.io import load_head
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.reader import DumpReader
@@ -67,8 +67,9 @@ BASE_TRAIN = dict(epochs=2, lr=3e-3, warmup_steps=2, micro_batch_tokens=512, gra
 def overrides(root: Path, model_dir: Path, kind: str, name: str, **train) -> dict:
     """Dotted-key settings of a tiny train run; `as_cli` and `as_config` give the same run two ways."""
     d = {"stage": "train", "name": EXPERIMENT, "output_root": str(root), "target.name": "tiny",
-         "target.path": str(model_dir), "head.kind": kind, "head.name": name, "head.ttt_steps": 3,
-         "head.draft_vocab_size": 200, "wandb.mode": "disabled"}
+         "target.path": str(model_dir), "head.kind": kind, "head.name": name, "wandb.mode": "disabled"}
+    options = head_config(kind)  # the kind's own options only: another kind's fails at compose
+    d.update({f"head.{k}": v for k, v in (("ttt_steps", 3), ("draft_vocab_size", 200)) if hasattr(options, k)})
     d.update({f"train.{k}": v for k, v in {**BASE_TRAIN, **train}.items()})
     return d
 
@@ -84,9 +85,11 @@ def as_cli(d: dict) -> list[str]:
 
 
 def as_config(d: dict) -> EagletConfig:
-    cfg = EagletConfig(target=tiny_target(Path(d["target.path"])), head=HeadConfig(), train=TrainConfig(),
-                       wandb=WandbConfig())
+    head = head_config(d["head.kind"], **{k[5:]: v for k, v in d.items() if k.startswith("head.") and k != "head.kind"})
+    cfg = EagletConfig(target=tiny_target(Path(d["target.path"])), head=head, train=TrainConfig(), wandb=WandbConfig())
     for key, value in d.items():
+        if key.startswith("head."):
+            continue
         obj, *path = key.split(".")
         if not path:
             setattr(cfg, obj, value)

@@ -24,36 +24,40 @@ class LmHeadInit(Choice):
     target_rows = "target_rows"
 
 
+# A head option that is part of the architecture: it goes into the head's DraftHeadConfig (config.json) under
+# the same name; the other options only shape training (the kind's objective reads them).
+ARCHITECTURE = {"architecture": True}
+
+
 @dataclass
 class HeadConfig:
-    kind: str = "eagle3"  # a registered kind (pipeline/heads/registry.py): eagle3 | eagle1
+    """What to train, the Hydra `head` group. Each kind subclasses it with its own typed options, in the kind's
+    file (Eagle3HeadConfig in eagle3.py, ...) registered as `HeadSpec.options_class`; `conf/head/<kind>.yaml`
+    selects it, so an option of another kind (`head=eagle1 head.ttt_steps=3`) fails at compose, naming the
+    kind's class. A bare HeadConfig is only the schema's placeholder until the group picks a kind."""
+    kind: str = "eagle3"  # a registered kind (pipeline/heads/registry.py): eagle3 | eagle1 | medusa
     name: str = "eagle3"  # output folder name: outputs/<experiment>/train/<name>
-    draft_vocab_size: int = 32000  # heads with a draft vocabulary (eagle3); capped at the distinct tokens seen
-    ttt_steps: int = 7  # eagle3 training-time-test rounds
-    ttt_decay: float = 0.8  # weight of round i is decay**i
-    # eagle3: "random" as the official EAGLE-3 trainer; "target" starts lm_head/norm as the target's
-    # (draft-vocab rows, final norm; as speculators does for lm_head), "target_rows" the lm_head rows only.
-    # On the SmolLM2 quality dump "target" was worse (val round-0 accuracy 0.144 against 0.203 at step 50,
-    # docs/results.md), hence the default.
-    lm_head_init: LmHeadInit = LmHeadInit.random
-    rope_theta: float = 10000.0
-    fc_bias: bool = False  # eagle1
-    # EAGLE-3.1 (eagle3): an RMSNorm on each fused target state before fc, and the final norm's output (not the
-    # pre-norm state) fed back as the next step's hidden. Config keys `fc_norm` / `norm_output` in both export
-    # dialects, as vLLM, SGLang and speculators read them.
-    fc_norm: bool = False
-    norm_output: bool = False
-    # medusa: K heads (head i predicts the token i + 2 ahead), each with L residual blocks; ttt_decay weighs
-    # head i's loss by decay**i (Medusa-1's 0.8).
-    medusa_num_heads: int = 4
-    medusa_num_layers: int = 1
-    feature_loss_weight: float = 1.0  # eagle1
-    token_loss_weight: float = 0.1  # eagle1
-    feature_noise: float = 0.2  # eagle1: uniform noise scale on input features
 
     def __post_init__(self) -> None:
-        head_spec(self.kind)  # an unknown kind fails when the config is built, naming the registered ones
-        self.lm_head_init = LmHeadInit.parse(self.lm_head_init, "head.lm_head_init")
+        options = head_spec(self.kind).options_class  # an unknown kind fails, naming the registered ones
+        if type(self) not in (HeadConfig, options):
+            raise ValueError(f"head.kind={self.kind} takes the options of {options.__name__}, not "
+                             f"{type(self).__name__}: select the kind with head={self.kind}")
+
+    def architecture_options(self) -> dict:
+        """The options that are DraftHeadConfig fields (marked ARCHITECTURE), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("architecture")}
+
+
+def head_config(kind: str = "eagle3", **options) -> HeadConfig:
+    """The typed options of a head of `kind`; an option the kind does not have fails, naming the kind."""
+    cls = head_spec(kind).options_class
+    known = {f.name for f in fields(cls)} - {"kind"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"head kind {kind} has no option {', '.join(unknown)} "
+                         f"(its options: {', '.join(sorted(known))})")
+    return cls(kind=kind, **{"name": kind, **options})
 
 
 @dataclass
@@ -107,16 +111,13 @@ class DraftHeadConfig:
         kind: str,
         draft_vocab_size: Optional[int],
         aux_layer_ids: Optional[Sequence[int]],
-        rope_theta: float = 10000.0,
-        fc_bias: bool = False,
         max_position_embeddings: Optional[int] = None,
-        fc_norm: bool = False,
-        norm_output: bool = False,
-        medusa_num_heads: int = 4,
-        medusa_num_layers: int = 1,
+        **options,
     ) -> "DraftHeadConfig":
-        """Dimensions from the target's HF config. `aux_layer_ids=None` takes `default_aux_layer_ids` for a
-        head that fuses target layers; `draft_vocab_size=None` means the full target vocabulary."""
+        """Dimensions from the target's HF config; `options` are the kind's architecture options
+        (`HeadConfig.architecture_options()`: rope_theta, fc_bias, fc_norm, ...). `aux_layer_ids=None` takes
+        `default_aux_layer_ids` for a head that fuses target layers; `draft_vocab_size=None` means the full
+        target vocabulary."""
         t = target_hf_config
         heads = t.num_attention_heads
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
@@ -136,18 +137,13 @@ class DraftHeadConfig:
             head_dim=head_dim,
             intermediate_size=t.intermediate_size,
             rms_norm_eps=t.rms_norm_eps,
-            rope_theta=rope_theta,
             max_position_embeddings=max_position_embeddings or t.max_position_embeddings,
             vocab_size=vocab,
             draft_vocab_size=vocab if draft_vocab_size is None else draft_vocab_size,
             target_hidden_size=t.hidden_size,
             aux_layer_ids=list(aux_layer_ids),
-            fc_bias=fc_bias,
             hidden_act=getattr(t, "hidden_act", "silu"),
-            fc_norm=fc_norm,
-            norm_output=norm_output,
-            medusa_num_heads=medusa_num_heads,
-            medusa_num_layers=medusa_num_layers,
+            **options,
         )
 
     def to_dict(self) -> dict:

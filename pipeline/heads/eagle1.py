@@ -14,17 +14,29 @@ here `fc_bias` defaults to False (head.fc_bias) -- set it True to mirror officia
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .config import DraftHeadConfig
+from .config import ARCHITECTURE, DraftHeadConfig, HeadConfig
 from .layers import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
 from .losses import align_batch, eagle1_loss
 from .registry import HeadSpec, register_head
 
+
+@dataclass
+class Eagle1HeadConfig(HeadConfig):
+    """The `head` options of EAGLE-1 (conf/head/eagle1.yaml)."""
+    kind: str = "eagle1"
+    name: str = "eagle1"
+    rope_theta: float = field(default=10000.0, metadata=ARCHITECTURE)
+    fc_bias: bool = field(default=False, metadata=ARCHITECTURE)  # True mirrors official checkpoints
+    feature_loss_weight: float = 1.0
+    token_loss_weight: float = 0.1
+    feature_noise: float = 0.2  # uniform noise scale on input features
 
 class Eagle1DecoderLayer(nn.Module):
     def __init__(self, config: DraftHeadConfig):
@@ -89,7 +101,7 @@ class Eagle1Objective(nn.Module):
         self.feature_weight, self.token_weight, self.noise = feature_weight, token_weight, noise
 
     @classmethod
-    def from_config(cls, head, head_cfg, target_lm_head_weight: torch.Tensor) -> "Eagle1Objective":
+    def from_config(cls, head, head_cfg: Eagle1HeadConfig, target_lm_head_weight: torch.Tensor) -> "Eagle1Objective":
         # The head holds its own frozen copy of the target lm_head: the weight argument is not needed.
         return cls(head, head_cfg.feature_loss_weight, head_cfg.token_loss_weight, head_cfg.feature_noise)
 
@@ -107,5 +119,5 @@ class Eagle1Objective(nn.Module):
                 "round_correct": out["correct"].reshape(1), "round_total": out["total"].reshape(1)}
 
 
-register_head(HeadSpec(kind="eagle1", head_class=Eagle1DraftHead, objective_class=Eagle1Objective,
-                       num_aux_layers=0, full_vocab=True, export_formats=("eagle1",)))
+register_head(HeadSpec(kind="eagle1", options_class=Eagle1HeadConfig, head_class=Eagle1DraftHead,
+                       objective_class=Eagle1Objective, num_aux_layers=0, full_vocab=True))

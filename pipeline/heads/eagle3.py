@@ -14,6 +14,7 @@ instead of the pre-norm midlayer output; the logits then read that state without
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 
@@ -22,12 +23,35 @@ from torch import nn
 
 from pipeline.families import FinalNorm, family_of
 
-from .config import DraftHeadConfig
+from .config import ARCHITECTURE, DraftHeadConfig, HeadConfig, LmHeadInit
 from .layers import MLP, AttendFn, Attention, DraftHeadMixin, KVCache, RMSNorm, RotaryEmbedding, cached_attention
 from .losses import align_batch
 from .registry import HeadSpec, register_head
 from .ttt import eagle3_ttt_loss
 
+
+@dataclass
+class Eagle3HeadConfig(HeadConfig):
+    """The `head` options of EAGLE-3 (conf/head/eagle3.yaml)."""
+    kind: str = "eagle3"
+    name: str = "eagle3"
+    draft_vocab_size: int = 32000  # capped at the distinct tokens the training data holds
+    ttt_steps: int = 7  # training-time-test rounds
+    ttt_decay: float = 0.8  # weight of round i is decay**i
+    # "random" as the official EAGLE-3 trainer; "target" starts lm_head/norm as the target's (draft-vocab rows,
+    # final norm; as speculators does for lm_head), "target_rows" the lm_head rows only. On the SmolLM2
+    # quality dump "target" was worse (val round-0 accuracy 0.144 against 0.203 at step 50), hence the default.
+    lm_head_init: LmHeadInit = LmHeadInit.random
+    rope_theta: float = field(default=10000.0, metadata=ARCHITECTURE)
+    # EAGLE-3.1: an RMSNorm on each fused target state before fc, and the final norm's output (not the pre-norm
+    # state) fed back as the next step's hidden. Config keys `fc_norm` / `norm_output` in both export dialects,
+    # as vLLM, SGLang and speculators read them.
+    fc_norm: bool = field(default=False, metadata=ARCHITECTURE)
+    norm_output: bool = field(default=False, metadata=ARCHITECTURE)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.lm_head_init = LmHeadInit.parse(self.lm_head_init, "head.lm_head_init")
 
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, config: DraftHeadConfig):
@@ -133,7 +157,7 @@ class Eagle3Objective(nn.Module):
         self.ttt_steps, self.decay = ttt_steps, ttt_decay
 
     @classmethod
-    def from_config(cls, head, head_cfg, target_lm_head_weight: torch.Tensor) -> "Eagle3Objective":
+    def from_config(cls, head, head_cfg: Eagle3HeadConfig, target_lm_head_weight: torch.Tensor) -> "Eagle3Objective":
         return cls(head, target_lm_head_weight, head_cfg.ttt_steps, head_cfg.ttt_decay)
 
     def stat_shapes(self) -> dict[str, int]:
@@ -147,5 +171,5 @@ class Eagle3Objective(nn.Module):
                 "round_total": out["round_total"]}
 
 
-register_head(HeadSpec(kind="eagle3", head_class=Eagle3DraftHead, objective_class=Eagle3Objective,
-                       num_aux_layers=3, full_vocab=False, export_formats=("sglang", "vllm")))
+register_head(HeadSpec(kind="eagle3", options_class=Eagle3HeadConfig, head_class=Eagle3DraftHead,
+                       objective_class=Eagle3Objective, num_aux_layers=3, full_vocab=False))

@@ -10,20 +10,31 @@ hidden state (its final-norm output, the dump's final feature), the target froze
 Unlike EAGLE, a head never sees the drafted tokens: the candidates at depth i + 1 are head i's top tokens for
 every parent. Decoding builds a score-pruned tree over them (pipeline/decoding/drafter.py: MedusaDrafter). Training
 (Medusa-1): cross-entropy on the next tokens, which in eaglet's data are the target's own answers, weighted
-`decay**i` per head. Medusa has no serving export here.
+`loss_decay**i` per head. Medusa has no serving export here.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DraftHeadConfig
+from .config import ARCHITECTURE, DraftHeadConfig, HeadConfig
 from .layers import DraftHeadMixin
 from .registry import HeadSpec, register_head
 
+
+@dataclass
+class MedusaHeadConfig(HeadConfig):
+    """The `head` options of Medusa-1 (conf/head/medusa.yaml)."""
+    kind: str = "medusa"
+    name: str = "medusa"
+    draft_vocab_size: int = 32000  # capped at the distinct tokens the training data holds
+    medusa_num_heads: int = field(default=4, metadata=ARCHITECTURE)  # K: head i predicts the token i + 2 ahead
+    medusa_num_layers: int = field(default=1, metadata=ARCHITECTURE)  # L residual blocks per head
+    loss_decay: float = 0.8  # head i's loss weighs loss_decay**i (Medusa-1's 0.8)
 
 class ResBlock(nn.Module):
     def __init__(self, hidden_size: int):
@@ -100,8 +111,8 @@ class MedusaObjective(nn.Module):
         self.head, self.decay = head, decay
 
     @classmethod
-    def from_config(cls, head, head_cfg, target_lm_head_weight: torch.Tensor) -> "MedusaObjective":
-        return cls(head, head_cfg.ttt_decay)
+    def from_config(cls, head, head_cfg: MedusaHeadConfig, target_lm_head_weight: torch.Tensor) -> "MedusaObjective":
+        return cls(head, head_cfg.loss_decay)
 
     def stat_shapes(self) -> dict[str, int]:
         k = self.head.config.medusa_num_heads
@@ -131,5 +142,5 @@ class MedusaObjective(nn.Module):
                 "round_correct": torch.stack(correct), "round_total": torch.stack(total)}
 
 
-register_head(HeadSpec(kind="medusa", head_class=MedusaHeads, objective_class=MedusaObjective, num_aux_layers=0,
-                       full_vocab=False, export_formats=(), drafter="medusa"))
+register_head(HeadSpec(kind="medusa", options_class=MedusaHeadConfig, head_class=MedusaHeads,
+                       objective_class=MedusaObjective, num_aux_layers=0, full_vocab=False, drafter="medusa"))

@@ -3,12 +3,18 @@ objective) ending in one `register_head(HeadSpec(...))`; everything else (train,
 asks the registry instead of testing the kind's name.
 
     # pipeline/heads/my_head.py
+    @dataclass
+    class MyHeadConfig(HeadConfig):  # its typed options (ARCHITECTURE ones go into its config.json)
+        kind: str = "my_head"
+        name: str = "my_head"
+        my_option: int = 3
     class MyDraftHead(DraftHeadMixin, nn.Module): ...
     class MyObjective(nn.Module): ...
-    register_head(HeadSpec(kind="my_head", head_class=MyDraftHead, objective_class=MyObjective,
-                           num_aux_layers=0, full_vocab=True, export_formats=("eagle1",)))
+    register_head(HeadSpec(kind="my_head", options_class=MyHeadConfig, head_class=MyDraftHead,
+                           objective_class=MyObjective, num_aux_layers=0, full_vocab=True))
 
-and one import line in pipeline/heads/__init__.py."""
+plus one import line in pipeline/heads/__init__.py and `conf/head/my_head.yaml`. An export format names the
+kind it holds (pipeline/export/formats/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class HeadSpec:
     kind: str
+    options_class: type  # its HeadConfig subclass: the typed `head` options
     head_class: type  # nn.Module subclass taking a DraftHeadConfig
     # Head + its loss as one module (`from_config(head, head_cfg, target_lm_head_weight)`); the train loop
     # and the parallel wrapper see a plain forward.
@@ -24,8 +31,6 @@ class HeadSpec:
     # Target layers the head fuses (the dump's aux states); 0: it reads the target's final hidden state.
     num_aux_layers: int
     full_vocab: bool  # predicts over the target vocabulary (no draft vocabulary of its own)
-    # pipeline/export/formats/ names, the first the default; none: an eval-only baseline (medusa)
-    export_formats: tuple[str, ...]
     drafter: str = "eagle"  # how eval drafts with it: pipeline/decoding/drafter.py DRAFTERS
 
     @property

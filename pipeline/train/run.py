@@ -169,10 +169,8 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
     if not head_spec(hcfg.kind).full_vocab:
         vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in train_idx),
                                   target.model.config.vocab_size, hcfg.draft_vocab_size)
-    config = DraftHeadConfig.from_target(
-        target.model.config, hcfg.kind, draft_vocab_size=vocab.size if vocab else None,
-        aux_layer_ids=layer_ids, rope_theta=hcfg.rope_theta, fc_bias=hcfg.fc_bias, fc_norm=hcfg.fc_norm,
-        norm_output=hcfg.norm_output, medusa_num_heads=hcfg.medusa_num_heads, medusa_num_layers=hcfg.medusa_num_layers)
+    config = DraftHeadConfig.from_target(target.model.config, hcfg.kind, draft_vocab_size=vocab.size if vocab else None,
+                                         aux_layer_ids=layer_ids, **hcfg.architecture_options())
     seed_everything(cfg.train.seed)  # same initial weights on every rank and every rerun
     head = build_draft_head(config)
     head.copy_from_target(target.model)
@@ -180,8 +178,9 @@ def build_head(cfg, target, reader, train_idx, layer_ids):
     if vocab is not None:
         head.set_draft_vocab(vocab.d2t, vocab.t2d)
         info["coverage"] = vocab.coverage
-        if hcfg.lm_head_init != LmHeadInit.random:
-            head.init_output_from_target(target.model, copy_norm=hcfg.lm_head_init == LmHeadInit.target)
+        start = getattr(hcfg, "lm_head_init", LmHeadInit.random)  # an eagle3 option (Medusa's start from the rows)
+        if start != LmHeadInit.random:
+            head.init_output_from_target(target.model, copy_norm=start == LmHeadInit.target)
     return head.to(target.device), info
 
 

@@ -137,7 +137,8 @@ def vllm_command(verifier: str, path: str, method: str, speculative_tokens: int)
 
 class ExportFormat:
     name: str  # export.format
-    kind: str  # the head kind it holds
+    kind: str  # the head kind it holds: the one declaration of which kinds export to which formats
+    default: bool = False  # the kind's format when export.format is unset (one per kind)
     architecture: str  # config.json architectures[0]
     # Head tensors the serving framework takes from the target (never stored; filled from it at load-back).
     from_target: frozenset = frozenset()
@@ -193,6 +194,8 @@ FORMATS: dict[str, ExportFormat] = {}
 
 
 def register_format(fmt: ExportFormat) -> ExportFormat:
+    if fmt.default and any(f.default and f.kind == fmt.kind and f.name != fmt.name for f in FORMATS.values()):
+        raise ValueError(f"export format {fmt.name}: {fmt.kind} heads already have a default format")
     FORMATS[fmt.name] = fmt
     return fmt
 
@@ -205,17 +208,15 @@ def export_format(name: str) -> ExportFormat:
 
 
 def format_for_head(name: Optional[str], kind: str) -> ExportFormat:
-    """export.format for a head of `kind` (None: the kind's first format, pipeline/heads/registry.py)."""
-    from pipeline.heads import head_spec
-
-    allowed = head_spec(kind).export_formats
+    """export.format for a head of `kind` (None: the kind's default format)."""
+    allowed = [f for f in FORMATS.values() if f.kind == kind]
     if not allowed:
         raise ExportError(f"{kind} heads have no serving export in eaglet (an eval baseline): evaluate them with "
                           f"stage=eval")
-    fmt = export_format(name or allowed[0])
-    if fmt.name not in allowed:
+    fmt = export_format(name) if name else next(f for f in allowed if f.default)
+    if fmt not in allowed:
         raise ExportError(f"export.format={fmt.name} holds {fmt.kind} heads, but this head is {kind}: "
-                          f"use {' or '.join(allowed)}")
+                          f"use {' or '.join(f.name for f in allowed)}")
     return fmt
 
 

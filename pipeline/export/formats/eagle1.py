@@ -25,6 +25,7 @@ from .base import (
 
 class Eagle1Official(ExportFormat):
     name, kind, architecture = "eagle1", "eagle1", "LlamaForCausalLM"
+    default = True
     from_target = frozenset({"lm_head.weight", "d2t", "t2d"})
 
     def expected_tensors(self, c: DraftHeadConfig) -> dict[str, tuple[int, ...]]:

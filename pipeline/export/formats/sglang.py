@@ -75,6 +75,7 @@ def read_eagle31_fields(cfg: dict) -> dict[str, bool]:
 
 class SGLangEagle3(ExportFormat):
     name, kind, architecture = "sglang", "eagle3", "LlamaForCausalLMEagle3"
+    default = True
     from_target = frozenset({"embed_tokens.weight"})
 
     def expected_tensors(self, c: DraftHeadConfig) -> dict[str, tuple[int, ...]]:

@@ -15,7 +15,8 @@ from pathlib import Path
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
 
 from conftest import build_tiny_llama, build_tiny_tokenizer  # noqa: E402
-from pipeline.config import DataConfig, EagletConfig, HeadConfig, TargetConfig, WandbConfig  # noqa: E402
+from pipeline.config import DataConfig, EagletConfig, TargetConfig, WandbConfig  # noqa: E402
+from pipeline.heads import head_config  # noqa: E402
 from pipeline.hidden_states.config import DumpConfig  # noqa: E402
 from pipeline.regen.config import RegenConfig  # noqa: E402
 from pipeline.train.config import TrainConfig  # noqa: E402
@@ -30,7 +31,7 @@ def config(out: Path, model_dir: Path, kind: str) -> EagletConfig:
         regen=RegenConfig(backend="hf", batch_size=5, batches_per_shard=1, max_new_tokens=24, limit=10,
                           progress=False),
         dump=DumpConfig(),
-        head=HeadConfig(kind=kind, name=kind, ttt_steps=3, draft_vocab_size=200),
+        head=head_config(kind, **({"ttt_steps": 3, "draft_vocab_size": 200} if kind == "eagle3" else {})),
         train=TrainConfig(epochs=4, lr=3e-3, warmup_steps=2, micro_batch_tokens=256, save_every=4, eval_every=4,
                           val_fraction=0.2, tau_prompts=0, plot=False, seed=0, mixed_precision="no"))
 
