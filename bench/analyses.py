@@ -39,6 +39,7 @@ from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
 from pipeline.decoding.autotree import RecordingDrafter, accepted_paths  # noqa: E402
 from pipeline.decoding.decoder import acceptance_rates, generate  # noqa: E402
 from pipeline.decoding.drafter import make_drafter  # noqa: E402
+from pipeline.decoding.tree import TreeSpec  # noqa: E402
 from pipeline.eval.questions import load_questions  # noqa: E402
 from pipeline.heads.io import load_head  # noqa: E402
 from pipeline.target import TargetConfig, load_target  # noqa: E402
@@ -218,7 +219,7 @@ def tree_picture(target, head, path: Path) -> dict:
     drafter = RecordingDrafter(make_drafter(head))
     q = held_out(1)[0]
     prompt = torch.tensor(render_prompt(target.tokenizer, [{"role": "user", "content": q.turns[0]}]))
-    res = generate(target.model, drafter, prompt, 96, top_k=10, depth=6, total_tokens=60,
+    res = generate(target.model, drafter, prompt, 96, tree=TreeSpec(10, 6, 60),
                    eos_token_ids=set(stop_token_ids(target.tokenizer, target.model)))
     paths = accepted_paths(drafter.trees, res.tokens, res.accept_lengths)
     step = max(range(len(paths)), key=lambda s: (len(paths[s]), -s))

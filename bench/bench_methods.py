@@ -40,6 +40,7 @@ from pipeline.decoding.autotree import choose_tree  # noqa: E402
 from pipeline.decoding.decoder import acceptance_rates, generate, vanilla_generate  # noqa: E402
 from pipeline.decoding.drafter import make_drafter  # noqa: E402
 from pipeline.decoding.lookup import PromptLookupDrafter  # noqa: E402
+from pipeline.decoding.tree import TreeSpec  # noqa: E402
 from pipeline.eval.config import TreeConfig  # noqa: E402
 from pipeline.eval.evaluate import system_messages  # noqa: E402
 from pipeline.eval.questions import load_questions  # noqa: E402
@@ -104,8 +105,8 @@ def decode_turn(target, fp32_model, variants: dict, prompt: torch.Tensor, max_ne
             results[name] = vanilla_generate(fp32_model, prompt, max_new_tokens, eos_token_ids=eos)
         else:
             drafter, t = variants[name]
-            results[name] = generate(target.model, drafter, prompt, max_new_tokens, top_k=t["top_k"],
-                                     depth=t["depth"], total_tokens=t["total_tokens"], eos_token_ids=eos)
+            results[name] = generate(target.model, drafter, prompt, max_new_tokens,
+                                     tree=TreeSpec(t["top_k"], t["depth"], t["total_tokens"]), eos_token_ids=eos)
     base = results["vanilla"].tokens
     for name in names:
         res = results[name]

@@ -30,6 +30,7 @@ from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
 from pipeline.decoding.autotree import choose_tree, verify_costs  # noqa: E402
 from pipeline.decoding.decoder import generate, vanilla_generate  # noqa: E402
 from pipeline.decoding.drafter import make_drafter  # noqa: E402
+from pipeline.decoding.tree import TreeSpec  # noqa: E402
 from pipeline.heads.io import load_head  # noqa: E402
 from pipeline.target import TargetConfig, load_target  # noqa: E402
 
@@ -63,7 +64,7 @@ def sweep(target, head, prompts, max_new_tokens: int, trees: list[tuple[int, int
         acc["vanilla"]["wall_s"] += base.wall_time
         acc["vanilla"]["tokens"] += len(base.tokens)
         for (d, k, n), name in zip(trees, names[1:]):
-            res = generate(model, drafter, ids, max_new_tokens, top_k=k, depth=d, total_tokens=n, eos_token_ids=eos)
+            res = generate(model, drafter, ids, max_new_tokens, tree=TreeSpec(k, d, n), eos_token_ids=eos)
             a = acc[name]
             a["wall_s"] += res.wall_time
             a["tokens"] += len(res.tokens)

@@ -77,17 +77,17 @@ def oracle(vocab_size: int):
     return lambda reference, i: OracleDrafter(reference, vocab_size, miss_rate=0.1, seed=i)
 
 
-def divergences(model, prompts: list[list[int]], new_tokens: int, drafter_factory, tree=(10, 6, 60)) -> list[dict]:
+def divergences(model, prompts: list[list[int]], new_tokens: int, drafter_factory, tree=None) -> list[dict]:
     """Tree decoding against vanilla decoding of each prompt (same dtype, greedy); one row per prompt with
     the first differing position, if any, checked against the tie bound."""
     from pipeline.decoding.decoder import generate, vanilla_generate
+    from pipeline.decoding.tree import DEFAULT_TREE
 
     rows = []
     for i, ids in enumerate(prompts):
         base = vanilla_generate(model, ids, new_tokens, eos_token_ids=())
         drafter = drafter_factory(list(ids) + base.tokens, i)
-        spec = generate(model, drafter, ids, new_tokens, top_k=tree[0], depth=tree[1], total_tokens=tree[2],
-                        eos_token_ids=())
+        spec = generate(model, drafter, ids, new_tokens, tree=tree or DEFAULT_TREE, eos_token_ids=())
         at: Optional[int] = next((j for j, (x, y) in enumerate(zip(spec.tokens, base.tokens)) if x != y), None)
         row = {"prompt": i, "identical": spec.tokens == base.tokens, "tau": round(spec.tau, 2)}
         if at is not None:

@@ -107,7 +107,8 @@ def test_the_choice_follows_the_cost_of_verification():
 
 def test_tree_config_takes_minus_one_and_names_it_auto():
     assert TreeConfig(depth=-1, total_tokens=-1).is_auto
-    assert TreeConfig(total_tokens=-1).fixed("probe") == (10, 6, 60)
+    assert TreeConfig(total_tokens=-1).fixed("probe") == TreeSpec(10, 6, 60)
+    assert TreeConfig(top_k=4, depth=-1).spec(depth=3) == TreeSpec(4, 3, 60)
     with pytest.raises(ValueError, match="or -1"):
         TreeConfig(total_tokens=-2)
 

@@ -8,6 +8,7 @@ import torch
 
 from pipeline.decoding.decoder import generate
 from pipeline.decoding.drafter import EagleDrafter
+from pipeline.decoding.tree import TreeSpec
 from pipeline.export.exporter import check_export, load_export, max_logit_diff
 from pipeline.heads.config import DraftHeadConfig
 from pipeline.heads.losses import align_batch
@@ -78,5 +79,5 @@ def test_a_plain_eagle3_export_names_neither_option(tiny_model, tmp_path):
 def test_tree_decoding_with_an_eagle31_head_is_lossless(tiny_model, tiny_tokenizer):
     head = make_head(tiny_model, **BOTH)
     prompt = chat_ids(tiny_tokenizer, QUESTIONS[0])
-    result = generate(tiny_model, EagleDrafter(head), prompt, 32, top_k=4, depth=3, total_tokens=12, eos_token_ids=())
+    result = generate(tiny_model, EagleDrafter(head), prompt, 32, tree=TreeSpec(4, 3, 12), eos_token_ids=())
     assert result.tokens == hf_greedy(tiny_model, prompt, 32)

@@ -19,6 +19,7 @@ from families import FAMILIES, build_family
 from oracle_drafter import OracleDrafter
 from pipeline.data.chat import ChatTemplateError, render_prompt, stop_token_ids, tokenize_conversation
 from pipeline.decoding.decoder import generate
+from pipeline.decoding.tree import TreeSpec
 from pipeline.families import FAMILIES as RECORDS
 from pipeline.families import Attention, FinalNorm, attention_layer_types, family_of
 from pipeline.manifest import load_manifest
@@ -89,7 +90,7 @@ def test_tree_decoding_equals_hf_generate_past_the_sliding_window(family):
     prompt = torch.tensor(render_prompt(tok, CONVERSATION[:2]))
     expected = hf_greedy(model, prompt, 64)
     drafter = OracleDrafter(prompt.tolist() + expected, model.config.vocab_size, miss_rate=0.1, seed=1)
-    result = generate(model, drafter, prompt, 64, top_k=4, depth=4, total_tokens=16, eos_token_ids=())
+    result = generate(model, drafter, prompt, 64, tree=TreeSpec(4, 4, 16), eos_token_ids=())
     assert result.tokens == expected
     assert result.tau > 3  # long accepted paths: the cache compaction and the masks are exercised
     window = getattr(model.config, "sliding_window", None)

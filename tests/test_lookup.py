@@ -50,7 +50,7 @@ def test_greedy_prompt_lookup_equals_hf_generate(tiny_model, tiny_tokenizer, top
     for q in QUESTIONS:
         prompt = chat_ids(tiny_tokenizer, q)
         expected = hf_greedy(tiny_model, prompt, 48)
-        result = generate(tiny_model, PromptLookupDrafter(), prompt, 48, top_k=top_k, depth=5, total_tokens=20,
+        result = generate(tiny_model, PromptLookupDrafter(), prompt, 48, tree=TreeSpec(top_k, 5, 20),
                           eos_token_ids=())
         assert result.tokens == expected
         accepted += sum(result.accept_lengths)

@@ -7,6 +7,7 @@ import torch
 from oracle_drafter import OracleDrafter
 from pipeline.decoding.decoder import generate, vanilla_generate
 from pipeline.decoding.drafter import EagleDrafter
+from pipeline.decoding.tree import TreeSpec
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig
 
@@ -46,7 +47,7 @@ def references(tiny_model, tiny_tokenizer):
 def test_tree_decoding_equals_hf_generate(tiny_model, references, case):
     prompt, expected = references[case]
     drafter = OracleDrafter(prompt.tolist() + expected, tiny_model.config.vocab_size, miss_rate=0.1, seed=case)
-    result = generate(tiny_model, drafter, prompt, N_NEW, top_k=10, depth=6, total_tokens=60, eos_token_ids=())
+    result = generate(tiny_model, drafter, prompt, N_NEW, tree=TreeSpec(10, 6, 60), eos_token_ids=())
     assert result.tokens == expected
     mean_accepted = sum(result.accept_lengths) / len(result.accept_lengths)
     assert mean_accepted >= 3, result.accept_lengths
@@ -61,7 +62,7 @@ def test_tree_decoding_equals_hf_generate(tiny_model, references, case):
 def test_chains_and_small_trees_are_lossless(tiny_model, references, top_k, depth, total_tokens):
     prompt, expected = references[0]
     drafter = OracleDrafter(prompt.tolist() + expected, tiny_model.config.vocab_size, miss_rate=0.2)
-    result = generate(tiny_model, drafter, prompt, N_NEW, top_k=top_k, depth=depth, total_tokens=total_tokens,
+    result = generate(tiny_model, drafter, prompt, N_NEW, tree=TreeSpec(top_k, depth, total_tokens),
                       eos_token_ids=())
     assert result.tokens == expected
     assert max(result.accept_lengths) <= min(depth + 1, total_tokens - 1)
@@ -99,7 +100,7 @@ def test_eagle_drafter_is_lossless(tiny_model, references, kind):
     torch.manual_seed(0)
     head = build_draft_head(cfg).eval()
     head.copy_from_target(tiny_model)
-    result = generate(tiny_model, EagleDrafter(head), prompt, 64, top_k=4, depth=3, total_tokens=16,
+    result = generate(tiny_model, EagleDrafter(head), prompt, 64, tree=TreeSpec(4, 3, 16),
                       eos_token_ids=())
     assert result.tokens == expected[:64]
     assert result.draft_time > 0 and result.target_time > 0

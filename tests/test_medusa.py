@@ -73,7 +73,7 @@ def test_the_tree_is_the_heads_cartesian_product_pruned_by_score(tiny_model):
 def test_greedy_decoding_with_medusa_heads_is_lossless(tiny_model, tiny_tokenizer):
     head = medusa_head(tiny_model)
     prompt = chat_ids(tiny_tokenizer, QUESTIONS[2])
-    result = generate(tiny_model, MedusaDrafter(head), prompt, 32, top_k=3, depth=2, total_tokens=10,
+    result = generate(tiny_model, MedusaDrafter(head), prompt, 32, tree=TreeSpec(3, 2, 10),
                       eos_token_ids=())
     assert result.tokens == hf_greedy(tiny_model, prompt, 32)
 
@@ -93,7 +93,7 @@ def test_the_train_stage_trains_medusa_heads_and_eval_decodes_with_them(tmp_path
     head = load_head(train_dir, load_target(cfg.target))
     assert isinstance(make_drafter(head), MedusaDrafter)
     prompt = chat_ids(load_target(cfg.target).tokenizer, QUESTIONS[0])
-    result = generate(tiny_model, make_drafter(head), prompt, 24, top_k=4, depth=3, total_tokens=16,
+    result = generate(tiny_model, make_drafter(head), prompt, 24, tree=TreeSpec(4, 3, 16),
                       eos_token_ids=())
     assert result.tokens == hf_greedy(tiny_model, prompt, 24)
     with pytest.raises(ExportError, match="medusa heads have no serving export"):

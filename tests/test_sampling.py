@@ -91,8 +91,8 @@ def sample_tokens_2_3(model, table, spec: TreeSpec) -> tuple[np.ndarray, list[in
     counts = np.zeros((V, V))
     accepted = []
     for seed in range(TRIALS):
-        result = generate(model, TableDrafter(table), torch.tensor(PROMPT), 3, temperature=T, top_k=spec.top_k,
-                          depth=spec.depth, total_tokens=spec.total_tokens, eos_token_ids=(), seed=seed)
+        result = generate(model, TableDrafter(table), torch.tensor(PROMPT), 3, temperature=T, tree=spec,
+                          eos_token_ids=(), seed=seed)
         counts[result.tokens[1], result.tokens[2]] += 1
         accepted += result.accept_lengths
     return counts, accepted
@@ -163,7 +163,7 @@ def test_eagle_drafter_sampled_chain_and_seeded_reproducibility():
         assert tree.proposal[tree.parents[node]].sum().item() == pytest.approx(1.0, abs=1e-5)
 
     for spec in (CHAIN, TREE):
-        runs = [generate(model, drafter, prompt, 24, temperature=0.8, top_k=spec.top_k, depth=spec.depth,
-                         total_tokens=spec.total_tokens, eos_token_ids=(), seed=seed).tokens for seed in (7, 7, 8)]
+        runs = [generate(model, drafter, prompt, 24, temperature=0.8, tree=spec, eos_token_ids=(), seed=seed).tokens
+                for seed in (7, 7, 8)]
         assert runs[0] == runs[1] and len(runs[0]) == 24
         assert runs[0] != runs[2]

@@ -132,8 +132,7 @@ def calibrate(target, drafter, prompts: Sequence[torch.Tensor], spec: TreeSpec, 
     steps, rounds, draft_s = [], 0, 0.0
     for prompt in prompts:
         rec = RecordingDrafter(drafter)
-        result = generate(target, rec, prompt, max_new_tokens, top_k=spec.top_k, depth=spec.depth,
-                          total_tokens=spec.total_tokens, eos_token_ids=eos_token_ids)
+        result = generate(target, rec, prompt, max_new_tokens, tree=spec, eos_token_ids=eos_token_ids)
         if any(tree.scores is None for tree in rec.trees):
             raise ValueError("tree.depth/total_tokens=-1 needs a drafter that scores its tree (EAGLE-2's builder); "
                              "set a fixed tree")

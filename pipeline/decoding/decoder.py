@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from pipeline.families import attention_layer_types, family_of
 
 from .drafter import Drafter
-from .tree import TreeSpec
+from .tree import DEFAULT_TREE, TreeSpec
 from .verify import logits_to_probs, sample, verify_greedy, verify_sampling
 
 
@@ -240,21 +240,19 @@ def generate(
     input_ids,
     max_new_tokens: int,
     temperature: float = 0.0,
-    top_k: int = 10,
-    depth: int = 6,
-    total_tokens: int = 60,
+    tree: TreeSpec = DEFAULT_TREE,
     eos_token_ids: Optional[Iterable[int]] = None,
     seed: Optional[int] = None,
     top_p: float = 1.0,
 ) -> GenerationResult:
-    """Speculative decoding of `input_ids` ([n] or [1, n]) with `drafter` (see TreeSpec for the tree
-    arguments). Greedy at temperature 0, else lossless sampling from softmax(logits / T) (top_p filtered).
+    """Speculative decoding of `input_ids` ([n] or [1, n]) with `drafter`, drafting trees of shape `tree`.
+    Greedy at temperature 0, else lossless sampling from softmax(logits / T) (top_p filtered).
     eos_token_ids=None takes the target's generation config; () never stops early."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     device, dtype = target.device, target.dtype
     ids = _as_ids(input_ids, device)
-    spec = TreeSpec(top_k=top_k, depth=depth, total_tokens=total_tokens)
+    spec = tree
     eos, gen, clock = _eos_set(target, eos_token_ids), _generator(seed), _Clock(device)
     layers = tuple(drafter.feature_layers)
     row_logits = supports_row_logits(target)

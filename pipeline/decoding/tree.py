@@ -31,6 +31,9 @@ class TreeSpec:
             raise ValueError(f"invalid tree spec {self}: need top_k >= 1, depth >= 0, total_tokens >= 2")
 
 
+DEFAULT_TREE = TreeSpec()  # EAGLE-2's 10 x 6 x 60
+
+
 @dataclass
 class DraftTree:
     """tokens: target ids [N] (node 0 = root); parents: parent node of each node (-1 for the root).

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.choices import Choice
+from pipeline.decoding.tree import TreeSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +33,22 @@ class TreeConfig:
     def is_auto(self) -> bool:
         return self.depth == -1 or self.total_tokens == -1
 
-    def fixed(self, what: str) -> tuple[int, int, int]:
-        """(top_k, depth, total_tokens) for a fixed-tree consumer (`what`: train's tau probe, export's serve
-        command): a -1 becomes the default, said in the log, since only eval measures its choice."""
+    def spec(self, depth: Optional[int] = None, total_tokens: Optional[int] = None) -> TreeSpec:
+        """The shape decoding uses (`TreeSpec`, the one tree type below the config): this section's, with eval's
+        measured choice in place of a -1."""
+        return TreeSpec(self.top_k, self.depth if depth is None else depth,
+                        self.total_tokens if total_tokens is None else total_tokens)
+
+    def fixed(self, what: str) -> TreeSpec:
+        """The tree of a fixed-tree consumer (`what`: train's tau probe, export's serve command): a -1 becomes
+        the default, said in the log, since only eval measures its choice."""
         default = TreeConfig()
-        depth = default.depth if self.depth == -1 else self.depth
-        total = default.total_tokens if self.total_tokens == -1 else self.total_tokens
+        spec = self.spec(default.depth if self.depth == -1 else None,
+                         default.total_tokens if self.total_tokens == -1 else None)
         if self.is_auto:
             log.warning("%s: tree %dx%dx%d (tree.depth/total_tokens=-1 is chosen by eval, see its summary.json "
-                        "tree_choice)", what, self.top_k, depth, total)
-        return self.top_k, depth, total
+                        "tree_choice)", what, spec.top_k, spec.depth, spec.total_tokens)
+        return spec
 
 
 # Keys that moved out of `eval`, with their new names: an old override fails naming the new key.

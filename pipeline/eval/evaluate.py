@@ -13,7 +13,8 @@ from tqdm import tqdm
 from pipeline.data.chat import ThinkingMode, render_prompt, stop_token_ids
 from pipeline.decoding.decoder import GenerationResult, generate, mean_accepted_tokens, vanilla_generate
 from pipeline.decoding.drafter import Drafter
-from pipeline.eval.config import EvalConfig, TreeConfig
+from pipeline.decoding.tree import TreeSpec
+from pipeline.eval.config import EvalConfig
 from pipeline.eval.questions import Question
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class TurnRecord:
         return mean_accepted_tokens(self.accept_lengths) if self.accept_lengths else 0.0
 
 
-def answer_questions(target, drafter: Drafter, questions: Iterable[Question], cfg: EvalConfig, tree: TreeConfig,
+def answer_questions(target, drafter: Drafter, questions: Iterable[Question], cfg: EvalConfig, tree: TreeSpec,
                      system_prompt: Optional[str] = None, progress=None,
                      deadline: Optional[float] = None, fp32_model=None, agree=None,
                      thinking=ThinkingMode.template) -> list[TurnRecord]:
@@ -88,7 +89,7 @@ def system_messages(q: Question) -> list[dict]:
     return [{"role": "system", "content": q.system}] if q.system else []
 
 
-def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, tree: TreeConfig, eos: set[int],
+def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, tree: TreeSpec, eos: set[int],
             system_prompt: Optional[str], with_baseline: bool, bar, fp32_model=None,
             thinking=ThinkingMode.template) -> list[TurnRecord]:
     """All turns of one question; later turns see the speculative answers as history."""
@@ -100,8 +101,7 @@ def _answer(model, tokenizer, drafter, q: Question, qi: int, cfg: EvalConfig, tr
         # One seed per (question, turn): sampling runs are reproducible and independent of order.
         seed = cfg.seed * 1_000_003 + qi * 101 + ti
         spec = generate(model, drafter, prompt, cfg.max_new_tokens, temperature=cfg.temperature,
-                        top_k=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens,
-                        eos_token_ids=eos, seed=seed)
+                        tree=tree, eos_token_ids=eos, seed=seed)
         rec = _record(q, ti, prompt, spec, tokenizer)
         if with_baseline:
             base = vanilla_generate(model, prompt, cfg.max_new_tokens, temperature=cfg.temperature,

@@ -120,10 +120,10 @@ def main(cfg) -> dict:
     if layout.sharded:
         done = layout.agree(progress.done if progress is not None else None)
         progress = progress or _FollowerProgress(done)
-    tree, choice = cfg.tree, None
+    choice = None
     if cfg.tree.is_auto:
         choice = tree_choice(cfg, target, drafter, questions, out_dir, resumed=bool(progress.done), layout=layout)
-        tree = dataclasses.replace(cfg.tree, depth=choice["depth"], total_tokens=choice["total_tokens"])
+    tree = cfg.tree.spec(choice["depth"], choice["total_tokens"]) if choice else cfg.tree.spec()
     deadline = None if cfg.eval.time_budget_s is None else time.monotonic() + cfg.eval.time_budget_s
     records = answer_questions(target, drafter, questions, cfg.eval, tree,
                                system_prompt=cfg.data.system_prompt, thinking=cfg.regen.thinking,

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from pipeline.decoding.tree import DEFAULT_TREE, TreeSpec
 from pipeline.heads import build_draft_head, head_spec
 from pipeline.heads.io import check_finite
 from pipeline.manifest import MANIFEST, check_files, load_manifest
@@ -57,7 +58,7 @@ def export_head(
     verifier_architectures: Sequence[str] = (),
     speculative_tokens: int = 3,
     sglang_aux_convention: str = "output",
-    tree: tuple[int, int, int] = (10, 6, 60),
+    tree: TreeSpec = DEFAULT_TREE,
 ) -> Path:
     """Writes `out_dir/{config.json, model.safetensors}` in format `fmt` (None: the head kind's default),
     replacing a previous export there, and checks the result with `check_export` before it becomes visible.
@@ -67,7 +68,7 @@ def export_head(
     if dtype not in DTYPE_NAMES:
         raise ExportError(f"dtype {dtype}: export bfloat16 or float32")
     ctx = ExportContext(num_target_layers, verifier, tuple(verifier_architectures), speculative_tokens,
-                        str(sglang_aux_convention), tuple(tree))
+                        str(sglang_aux_convention), tree)
     state = export_state(head, form, dtype)
     if head_spec(config.kind).fuses_target_layers:
         check_aux_layers(config.aux_layer_ids, num_target_layers)

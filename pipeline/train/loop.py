@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from pipeline.decoding.tree import TreeSpec
 from pipeline.heads import HeadConfig, head_spec
 
 from . import checkpoint as ckpt
@@ -103,9 +104,7 @@ class TauProbe:
     target_model: nn.Module
     prompts: Sequence[torch.Tensor]
     max_new_tokens: int
-    top_k: int
-    depth: int
-    total_tokens: int
+    tree: TreeSpec
     layout: Optional[object] = None  # a tensor-parallel target's TargetLayout: its group decodes in lockstep
 
     @torch.no_grad()
@@ -119,8 +118,7 @@ class TauProbe:
             for prompt in self.prompts:
                 drafter = lockstep(make_drafter(head), self.layout)
                 result = generate(self.target_model, drafter, prompt, self.max_new_tokens,
-                                  temperature=0.0, top_k=self.top_k, depth=self.depth,
-                                  total_tokens=self.total_tokens)
+                                  temperature=0.0, tree=self.tree)
                 accept_lengths += result.accept_lengths
         finally:
             head.train(was_training)

@@ -89,8 +89,8 @@ def train(cfg, par: Parallel) -> dict:
         # Offline the target is only its parts (load_rows); the probe decodes, so it loads the target here.
         decoder_model = target.model if online else probe_target(cfg, par, target).model
         if par.is_main or probe.data_rank == 0:
-            tau_probe = TauProbe(decoder_model, prompts, tcfg.tau_max_new_tokens,
-                                 *cfg.tree.fixed("train's tau probe"), layout=probe)
+            tau_probe = TauProbe(decoder_model, prompts, tcfg.tau_max_new_tokens, cfg.tree.fixed("train's tau probe"),
+                                 layout=probe)
 
     identity = {**data_identity, "head": head.config.to_dict(), "train_rows": len(train_idx)}
     if par.precision != "float32":  # a resume never switches autocast (fp32 adds nothing: older runs resume)

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from pipeline.decoding.tree import DEFAULT_TREE, TreeSpec
 from pipeline.heads.config import DraftHeadConfig
 
 # config.json spelling of a dtype, and safetensors' header spelling of each tensor dtype eaglet writes.
@@ -35,7 +36,7 @@ class ExportContext:
     verifier_architectures: Sequence[str] = ()
     speculative_tokens: int = 3
     sglang_aux_convention: str = "output"
-    tree: tuple[int, int, int] = (10, 6, 60)  # top_k, depth, total_tokens of the serving commands
+    tree: TreeSpec = DEFAULT_TREE  # the serving commands' tree
 
 
 # ---------------------------------------------------------------------------------------------------------

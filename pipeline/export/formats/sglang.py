@@ -118,7 +118,7 @@ class SGLangEagle3(ExportFormat):
     def serve_commands(self, path: str, layer_ids: Sequence[int], ctx: ExportContext) -> list[str]:
         import shlex
 
-        top_k, depth, total = ctx.tree
+        top_k, depth, total = ctx.tree.top_k, ctx.tree.depth, ctx.tree.total_tokens
         sglang = (f"python -m sglang.launch_server --model {shlex.quote(ctx.verifier)} --speculative-algorithm "
                   f"EAGLE3 --speculative-draft-model-path {shlex.quote(path)} --speculative-num-steps {depth} "
                   f"--speculative-eagle-topk {top_k} --speculative-num-draft-tokens {total}")
