@@ -90,7 +90,8 @@ def test_every_config_field_is_documented_in_usage():
         if path not in tables:
             problems.append(f"no section '## {_label(path)}' for {cls.__name__}")
             continue
-        problems += [f"{_label(path)}: no row `{name}` ({cls.__name__}.{name})" for name in sorted(leaves - tables[path])]
+        problems += [f"{_label(path)}: no row `{name}` ({cls.__name__}.{name})"
+                     for name in sorted(leaves - tables[path])]
     assert not problems, "docs/usage.md does not document:\n" + "\n".join(problems)
 
 
