@@ -34,7 +34,7 @@ class HeadConfig:
     # eagle3: "random" as the official EAGLE-3 trainer; "target" starts lm_head/norm as the target's
     # (draft-vocab rows, final norm; as speculators does for lm_head), "target_rows" the lm_head rows only.
     # On the SmolLM2 quality dump "target" was worse (val round-0 accuracy 0.144 against 0.203 at step 50,
-    # docs/results.md), hence the default.
+    # docs/results/quality.md), hence the default.
     lm_head_init: LmHeadInit = LmHeadInit.random
     rope_theta: float = 10000.0
     fc_bias: bool = False  # eagle1
