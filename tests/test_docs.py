@@ -60,9 +60,10 @@ def _prose_lines(text: str):
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
-def usage_tables(text: str) -> dict[str, set]:
-    """Section path -> the names in the first column of its tables, for every usage.md heading that names a
-    config section (`regen.openai`, or the root's "Top level"); a section runs to the next heading."""
+def usage_tables(text: str) -> dict[str, dict[str, str]]:
+    """Section path -> {name in a table row's first column: that row's second (default) column}, for every
+    usage.md heading that names a config section (`regen.openai`, or the root's "Top level"); a section runs to
+    the next heading."""
     tables, current = {}, None
     for _, line in _prose_lines(text):
         heading = HEADING.match(line)
@@ -72,11 +73,45 @@ def usage_tables(text: str) -> dict[str, set]:
             current = "" if title == ROOT_HEADING else named.group(1) if named else None
             if current is not None:
                 assert current not in tables, f"docs/usage.md: two sections for {current or ROOT_HEADING!r}"
-                tables[current] = set()
+                tables[current] = {}
         elif current is not None and line.startswith("|"):
-            first = line.strip("|").split("|")[0]
-            tables[current].update(re.findall(r"`([^`]+)`", first))
+            cells = line.strip().strip("|").split("|")
+            default = cells[1] if len(cells) > 1 else ""
+            tables[current].update({name: default for name in re.findall(r"`([^`]+)`", cells[0])})
     return tables
+
+
+def _as_value(text: str):
+    """A documented default as the value it spells: true/false, null, a number, else the text."""
+    literal = {"true": True, "false": False, "null": None}
+    if text in literal:
+        return literal[text]
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _schema_default(cls: type, name: str):
+    """The field's default as documentation spells it (a Choice as its string), or a marker for a list or dict
+    default (from a factory), which the default check leaves alone."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default is dataclasses.MISSING:
+        return _UNCHECKED
+    value = f.default
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    return str(value)
+
+
+_UNCHECKED = object()
+
+
+def _typed(value) -> tuple:
+    """A value with its kind, so that `true` never passes for 1 nor `0` for false."""
+    return type(value).__name__, value
 
 
 def _label(path: str) -> str:
@@ -91,7 +126,7 @@ def test_every_config_field_is_documented_in_usage():
             problems.append(f"no section '## {_label(path)}' for {cls.__name__}")
             continue
         problems += [f"{_label(path)}: no row `{name}` ({cls.__name__}.{name})"
-                     for name in sorted(leaves - tables[path])]
+                     for name in sorted(leaves - set(tables[path]))]
     assert not problems, "docs/usage.md does not document:\n" + "\n".join(problems)
 
 
@@ -104,7 +139,7 @@ def test_every_usage_row_is_a_config_field():
             continue
         fields = {f.name for f in dataclasses.fields(sections[path][0])}
         problems += [f"{_label(path)}: row `{name}` is not a field of {sections[path][0].__name__}"
-                     for name in sorted(names - fields)]
+                     for name in sorted(set(names) - fields)]
     assert not problems, "docs/usage.md documents settings that do not exist:\n" + "\n".join(problems)
 
 
@@ -120,7 +155,26 @@ def test_config_sections_follow_the_dataclasses():
 def test_usage_tables_read_sections_and_first_columns():
     text = ("# t\n## Top level\n| setting | default | meaning |\n|---|---|---|\n| `a` | `1` | x `b` |\n"
             "## `s.t`\n| `c`, `d` | | |\n```\n| `e` | | |\n```\n## Other\n| `f` | | |\n")
-    assert usage_tables(text) == {"": {"a"}, "s.t": {"c", "d"}}
+    assert usage_tables(text) == {"": {"a": " `1` "}, "s.t": {"c": " ", "d": " "}}
+
+
+def test_documented_defaults_are_the_schemas():
+    """A default written in backticks is the dataclass's, an empty string is written "empty"; list and dict
+    defaults (from factories) are left to the reader."""
+    sections = config_sections()
+    problems = []
+    for path, rows in usage_tables(USAGE.read_text()).items():
+        cls = sections[path][0] if path in sections else None
+        for name, cell in rows.items():
+            if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+                continue  # reported by test_every_usage_row_is_a_config_field
+            written = [_typed(_as_value(v)) for v in re.findall(r"`([^`]*)`", cell)]
+            default = _schema_default(cls, name)
+            if default == "" and "empty" not in cell:
+                problems.append(f"{_label(path)}: `{name}` defaults to the empty string: say \"empty\"")
+            elif written and default is not _UNCHECKED and _typed(default) not in written:
+                problems.append(f"{_label(path)}: `{name}` documents {cell.strip()}, the schema says {default!r}")
+    assert not problems, "docs/usage.md defaults differ from the dataclasses':\n" + "\n".join(problems)
 
 
 # ---------------------------------------------------------------------------------------------
