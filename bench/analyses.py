@@ -1,4 +1,4 @@
-"""The method's classic analyses, reproducible (docs/results.md, "Classic analyses"), on the method bench's
+"""The method's classic analyses, reproducible (docs/results/analyses.md), on the method bench's
 EAGLE-3 head (`outputs/smollm2_methods/train/eagle3`, jobs/methods.sh):
 
 1. `draft`: tau, acceptance by depth, tokens/s and speedup against the draft length K of a chain (K = 1..8:

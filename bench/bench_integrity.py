@@ -41,7 +41,7 @@ from pipeline.train.data import split_train_val, truncated_lengths  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 SOURCE = SHARED / "sharegpt_sg92k_sample1000" / "sharegpt_1000.json"  # real multi-turn ShareGPT with answers
-QUALITY_TOKENS = 1_700_000  # the quality v2 experiment's answer tokens (docs/results.md)
+QUALITY_TOKENS = 1_700_000  # the quality v2 experiment's answer tokens (docs/results/quality.md)
 
 
 def config(work: Path, conversations: int) -> EagletConfig:

@@ -1,5 +1,5 @@
 """The method bench: vanilla decoding, prompt lookup, Medusa-1, EAGLE-1, EAGLE-3 and EAGLE-3 with the 3.1
-options on one decoder harness, the same prompts and the same run (docs/results.md, "Methods compared").
+options on one decoder harness, the same prompts and the same run (docs/results/methods.md).
 
 Every method decodes every turn of the same MT-bench questions (T=0), one turn at a time in a rotating order,
 so a slow spell of the machine hits all of them alike. Each method's tree is the one eval chooses for this
@@ -119,7 +119,7 @@ def decode_turn(target, fp32_model, variants: dict, prompt: torch.Tensor, max_ne
 def fp32_vanilla_pays(turns: list[dict], probe: int = 3) -> bool:
     """Keep timing vanilla decoding with the fp32 copy only while it may be the faster vanilla: over the first
     `probe` turns it runs; after them, only if it was faster there (bf16 one-token decoding beats fp32 on some
-    CPUs and loses on others, docs/results.md)."""
+    CPUs and loses on others, docs/results/methods.md)."""
     both = [t for t in turns if "vanilla_fp32" in t]
     if len(both) < probe:
         return True

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The method bench (docs/results.md, "Methods compared"): every step in order, each resumable (rerun the same
-# line to continue). Costs are for a 2-core CPU (AMD EPYC, AVX512-BF16) at the rates of docs/results.md.
+# The method bench (docs/results/methods.md, "Methods compared"): every step in order, each resumable (rerun the same
+# line to continue). Costs are for a 2-core CPU (AMD EPYC, AVX512-BF16) at the rates of docs/results/methods.md.
 #
 #   jobs/methods.sh data       # regen (llama.cpp, ~90k answer tokens, ~15 min) and the bf16 dump (~3 min)
 #   jobs/methods.sh heads      # EAGLE-3, EAGLE-3 + 3.1, EAGLE-1, Medusa-1: one budget (~25 min)
@@ -27,7 +27,7 @@ heads)
   run stage=train head=medusa "${EXP[@]}"
   ;;
 ablation)
-  # The 3.1 ablation (docs/results.md, "EAGLE-3.1 options"): decoded tau with the default deep tree, where the
+  # The 3.1 ablation (docs/results/methods.md, "EAGLE-3.1 options"): decoded tau with the default deep tree, where the
   # later draft rounds count (the table's CPU trees are one level deep). CELLS=1 adds each option alone.
   heads=(eagle3 eagle3-31)
   if [[ -n "${CELLS:-}" ]]; then

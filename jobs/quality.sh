@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2 quality experiment (docs/results.md): every command behind the results table, in
+# The SmolLM2 quality experiment (docs/results/quality.md): every command behind the results table, in
 # order. Every step is resumable: kill it (or give eval a time budget) and rerun the same line to continue,
 # so the experiment can be finished in pieces on a small machine.
 #

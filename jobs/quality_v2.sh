@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Quality v2 (docs/results.md, "Quality v2"): every step in order, each resumable -- kill it and rerun the
+# Quality v2 (docs/results/quality.md): every step in order, each resumable -- kill it and rerun the
 # same line to continue. Costs are for this repository's 2-core AMX CPU at the rates measured in
-# docs/results.md ("Speed of every stage"); on a GPU they shrink to minutes.
+# docs/results/speed.md; on a GPU they shrink to minutes.
 #
 #   jobs/quality_v2.sh regen        # ~1.7M answer tokens through llama.cpp: the long part (hours)
 #   jobs/quality_v2.sh dump         # bf16 shards, about 5 KB per token: check the free disk first

@@ -293,7 +293,7 @@ def check_target(fingerprint: dict, manifest: StageManifest, manifest_path: Path
 def check_fingerprint(fingerprint: dict, theirs: dict, manifest_path: Path, what: str = "target",
                       allow_template_mismatch: bool = False) -> None:
     """`fingerprint` (the current target's) against `theirs` (a manifest's record of its target).
-    `allow_template_mismatch`: the chat template may differ (the template experiment, docs/results.md); the
+    `allow_template_mismatch`: the chat template may differ (the template experiment, docs/results/analyses.md); the
     vocabulary and special tokens must not (`vocab_digest`), and the difference is logged."""
     theirs = theirs or {}
     keys = FINGERPRINT_KEYS

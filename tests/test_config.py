@@ -154,7 +154,7 @@ def test_quality_experiment_holds_out_every_eval_set():
 
 
 def test_method_bench_trains_on_a_part_of_the_quality_data_and_chooses_its_trees():
-    """smollm2_methods (docs/results.md, "The evaluation bench"): the quality data's sources at smaller limits,
+    """smollm2_methods (docs/results/methods.md): the quality data's sources at smaller limits,
     every evaluation set held out, and eval choosing the tree for the device."""
     cfg = compose_cfg(["experiment=smollm2_methods"])
     quality = {s.path: s.limit for s in compose_cfg(["experiment=smollm2_quality"]).data.sources}

@@ -1,7 +1,7 @@
 """Chat templates a target can be given instead of its own (`target.chat_template`): a named one below, or a
 Jinja file. A head serves at its tau only with the template its training data was rendered with; every stage
 records the template in the target's fingerprint and the next stage refuses a change. The named templates
-exist to measure what a wrong one costs (docs/results.md, "The chat template"): eval accepts one only with
+exist to measure what a wrong one costs (docs/results/analyses.md, "The chat template"): eval accepts one only with
 `eval.allow_template_mismatch=true`.
 """
 from __future__ import annotations

@@ -89,7 +89,7 @@ class EvalConfig:
     # A partial run with other settings or another head is refused unless set (it is then discarded).
     overwrite: bool = False
     # Decode with a head trained under another chat template than target.chat_template gives: refused unless
-    # set (the template experiment, docs/results.md; the vocabulary must still match).
+    # set (the template experiment, docs/results/analyses.md; the vocabulary must still match).
     allow_template_mismatch: bool = False
     # Decode with a head trained under another regen.thinking mode than this run's (the head's train manifest
     # records it): refused unless set (measures what serving in the other mode costs).

@@ -1,4 +1,4 @@
-"""Markdown tables for docs/results.md: every eval run of an experiment (complete or partial), then two heads
+"""Markdown tables for docs/results/quality.md: every eval run of an experiment (complete or partial), then two heads
 compared on the turns both have answered (a partial run is compared on its questions only):
 
     python -m pipeline.eval.table outputs/smollm2_quality [eagle3 eagle1]

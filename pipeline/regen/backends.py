@@ -7,7 +7,7 @@ An entry names the module that implements the backend. Each such module defines
     version() -> Optional[str]                       the engine's version, None when it is not installed
 and its backend object follows `waves.Backend`. `regen.backend` takes the names below (or `auto`), and
 `regen.backend=auto` takes the first available backend of `AUTO_ORDER` for the device, fastest first as
-measured by bench/bench_stages.py (docs/results/ "Speed of every stage").
+measured by bench/bench_stages.py (docs/results/speed.md).
 
 This module imports nothing heavy: the config imports it for the list of names.
 """

@@ -139,7 +139,7 @@ class VLLMConfig:
 @dataclass
 class RegenConfig:
     # auto: llamacpp when the target is a GGUF, it runs on CPU and the llama-server binary is built (AMX
-    # prompt processing, continuous batching; the comparison with hf is in docs/results.md), else hf.
+    # prompt processing, continuous batching; the comparison with hf is in docs/results/speed.md), else hf.
     # hf: in-process batched HF generate. llamacpp: a llama.cpp server regen starts itself. openai: any
     # OpenAI-compatible server you run.
     backend: RegenBackend = RegenBackend.auto

@@ -5,7 +5,7 @@ regen talks to it through the `openai` backend with one conversation in flight p
 per-conversation schedule), so the slots stay full and a conversation's next turn reuses its slot's KV cache.
 `make llama-server` builds the binary (into eaglet's cache) from the llama.cpp that the pinned
 llama-cpp-python vendors, with its AMX kernels made safe by jobs/patch_llama_cpp.py.
-Measured on 2 cores: docs/results.md, "Speed of every stage".
+Measured on 2 cores: docs/results/speed.md.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ have stored for it, and everything else in the trainer (data order, packing, res
 path: each rank computes the states of its own micro-batches on its own target replica.
 
 Offline wins when the states are reused (several epochs, several heads, ablations); online when the data is
-large and seen once or twice. README "Online or offline?" has this machine's figures.
+large and seen once or twice. docs/results/speed.md, "Online or offline training", has the figures.
 """
 from __future__ import annotations
 
