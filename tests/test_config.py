@@ -101,6 +101,8 @@ def test_cli_unknown_stage_names_the_choices_not_a_traceback(tmp_path):
     ("head.kind=eagle2", "unknown head kind 'eagle2': registered kinds are ['eagle1', 'eagle3', 'medusa']"),
     ("export.format=onnx", "export.format='onnx': choose one of"),
     ("eval.top_k=4", "eval.top_k is now tree.top_k"),
+    ("export.sglang_aux_convention=input", "export.sglang_aux_convention is now export.sglang.aux_convention"),
+    ("export.sglang.aux_convention=inputs", "Invalid value 'inputs', expected one of [output, input]"),
     ("dump.dtype=int4", "dump.dtype='int4'"),
     ("target.dtype=fp64", "target.dtype='fp64'"),
 ])

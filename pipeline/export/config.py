@@ -1,20 +1,16 @@
 """Hydra schema of the export stage (see pipeline/export/run.py and docs/export.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.choices import Choice
+from pipeline.export.formats.sglang import SGLangExportOptions
 
 
 class ExportDtype(Choice):
     bfloat16 = "bfloat16"
     float32 = "float32"
-
-
-class SglangAuxConvention(Choice):
-    output = "output"  # layer outputs (input index - 1): SGLang's historic rule
-    input = "input"  # input indices: SGLang after PR #25454 (unless the first id is 1)
 
 
 @dataclass
@@ -27,10 +23,10 @@ class ExportConfig:
     verifier: Optional[str] = None  # vllm speculators_config verifier; None: target.hub_id
     # vLLM speculators `proposal_methods[0].speculative_tokens`, also the printed vLLM command's value.
     speculative_tokens: int = 3
-    # How SGLang reads custom `eagle_config.eagle_aux_hidden_state_layer_ids` (docs/export.md). Only matters
-    # when the aux layers are custom and exclude layer 2; otherwise eaglet writes ids that every SGLang
-    # version reads the same way.
-    sglang_aux_convention: SglangAuxConvention = SglangAuxConvention.output
+    # Each format's own settings, in the format's file.
+    sglang: SGLangExportOptions = field(default_factory=SGLangExportOptions)
+    # Moved to `export.sglang.aux_convention`; kept only to name the new key when an old override sets it.
+    sglang_aux_convention: Optional[str] = None
 
     def __post_init__(self) -> None:
         from pipeline.export.formats import export_format
@@ -38,5 +34,6 @@ class ExportConfig:
         if self.format is not None:
             export_format(self.format)  # an unknown format fails when the config is built, listing the known
         self.dtype = ExportDtype.parse(self.dtype, "export.dtype")
-        self.sglang_aux_convention = SglangAuxConvention.parse(self.sglang_aux_convention,
-                                                               "export.sglang_aux_convention")
+        if self.sglang_aux_convention is not None:
+            raise ValueError("export.sglang_aux_convention is now export.sglang.aux_convention (the sglang format's "
+                             "own settings)")

@@ -44,7 +44,7 @@ def main(cfg) -> Path:
     head = load_head(train_dir, target, device=torch.device("cpu"), dtype=torch.float32)
     form = format_for_head(ecfg.format, head.config.kind)
     ctx = ExportContext(target.num_layers, verifier_name(cfg), tuple(model_architectures(target.model)),
-                        ecfg.speculative_tokens, str(ecfg.sglang_aux_convention),
+                        ecfg.speculative_tokens, str(ecfg.sglang.aux_convention),
                         cfg.tree.fixed("export's serve command"))
     out = export_head(head, export_root / form.name, form.name, dtype, num_target_layers=ctx.num_target_layers,
                       verifier=ctx.verifier, verifier_architectures=ctx.verifier_architectures,
@@ -56,7 +56,7 @@ def main(cfg) -> Path:
     if ecfg.verify:
         print(tensor_table(infos))
         loaded = load_export(out, target.model, device=torch.device("cpu"), dtype=torch.float32,
-                             sglang_aux_convention=ecfg.sglang_aux_convention)
+                             sglang_aux_convention=ecfg.sglang.aux_convention)
         counts["max_logit_diff"] = max_logit_diff(head, loaded)
         print(f"round trip ({DTYPE_NAMES[dtype]}): max |logits(export) - logits(checkpoint)| = "
               f"{counts['max_logit_diff']:.3g}")

@@ -5,11 +5,13 @@ the target's, shared at load (SGLang `set_embed`), never stored."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from pipeline.choices import Choice
 from pipeline.heads.config import DraftHeadConfig, default_aux_layer_ids
 
 from .base import (
@@ -24,6 +26,23 @@ from .base import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class SglangAuxConvention(Choice):
+    output = "output"  # layer outputs (input index - 1): SGLang's historic rule
+    input = "input"  # input indices: SGLang after PR #25454 (unless the first id is 1)
+
+
+@dataclass
+class SGLangExportOptions:
+    """The sglang format's own settings (`export.sglang`)."""
+    # How SGLang reads custom `eagle_config.eagle_aux_hidden_state_layer_ids` (docs/export.md). Only matters
+    # when the aux layers are custom and exclude layer 2; otherwise eaglet writes ids that every SGLang
+    # version reads the same way.
+    aux_convention: SglangAuxConvention = SglangAuxConvention.output
+
+    def __post_init__(self) -> None:
+        self.aux_convention = SglangAuxConvention.parse(self.aux_convention, "export.sglang.aux_convention")
 
 EAGLE3_NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
 CONVENTIONS = ("output", "input")
@@ -137,8 +156,8 @@ class SGLangEagle3(ExportFormat):
         if not sglang_layers_agree(ids):
             other = "input" if convention == "output" else "output"
             log.warning("aux layers %s without layer 2: SGLang before and after PR #25454 read eagle_config ids "
-                        "%s differently; this export targets the %s rule (export.sglang_aux_convention=%s), "
-                        "re-export with export.sglang_aux_convention=%s for the other SGLang", sorted(layer_ids),
+                        "%s differently; this export targets the %s rule (export.sglang.aux_convention=%s), "
+                        "re-export with export.sglang.aux_convention=%s for the other SGLang", sorted(layer_ids),
                         ids, "historic" if convention == "output" else "post-#25454", convention, other)
 
 
