@@ -84,7 +84,10 @@ class EagletConfig:
 
     @property
     def eval_subject(self) -> str:
-        """What an eval run measures: the head's name, or the training-free drafter's (eval.drafter)."""
+        """What an eval run measures: the head's name, the training-free drafter's (eval.drafter), or `compare`
+        for several side by side (eval.compare)."""
+        if self.eval.compare:
+            return "compare"
         return self.head.name if self.eval.drafter == "head" else str(self.eval.drafter)
 
     @property

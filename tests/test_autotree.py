@@ -15,6 +15,7 @@ from pipeline.config import WandbConfig
 from pipeline.decoding.autotree import StepRecord, calibrate, choose, subtree_accepted
 from pipeline.decoding.tree import DraftTree, TreeSpec, build_draft_tree
 from pipeline.eval.config import EvalConfig, TreeConfig
+from pipeline.manifest import load_manifest
 from test_export import fake_train_stage, make_head, stage_config
 from test_lossless import QUESTIONS, chat_ids, hf_greedy
 
@@ -114,7 +115,8 @@ def test_tree_config_takes_minus_one_and_names_it_auto():
 
 
 def test_eval_stage_chooses_the_tree_records_it_and_stays_lossless(tiny_model, tiny_model_dir, tmp_path):
-    from pipeline.eval.run import TREE_CHOICE, main
+    from pipeline.eval.run import main
+    from pipeline.eval.subjects import TREE_CHOICE
 
     cfg = stage_config(tmp_path, tiny_model_dir)
     fake_train_stage(cfg, make_head(tiny_model))
@@ -134,3 +136,41 @@ def test_eval_stage_chooses_the_tree_records_it_and_stays_lossless(tiny_model, t
     assert set(choice["verify_ms"]) == {"2", "4", "6", "8", "10", "12"}
     assert json.loads((out / TREE_CHOICE).read_text()) == choice
     assert summary["greedy_matches_baseline"] == "2/2"
+
+
+def test_eval_compares_drafters_side_by_side_with_their_own_trees_and_resumes(tiny_model, tiny_model_dir, tmp_path):
+    """eval.compare (pipeline/eval/compare.py, the method bench's engine): every drafter decodes the same turns
+    as vanilla decoding, each with the tree chosen for it, losslessly in fp32; a rerun continues the journal and
+    a rerun with other drafters is refused."""
+    from pipeline.eval.run import main
+
+    cfg = stage_config(tmp_path, tiny_model_dir)
+    for name, seed in (("a", 0), ("b", 1)):
+        fake_train_stage(dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, name=name)),
+                         make_head(tiny_model, seed=seed))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [q, "And then?"]})
+                                   for i, q in enumerate(QUESTIONS[:2])) + "\n")
+    cfg = dataclasses.replace(
+        cfg, stage="eval", tree=TreeConfig(top_k=3, depth=-1, total_tokens=-1, max_depth=2, max_total_tokens=8,
+                                           auto_prompts=1, auto_max_new_tokens=8),
+        eval=EvalConfig(questions=str(questions), max_new_tokens=12, compare=["prompt_lookup", "a", "b"],
+                        time_budget_s=0), wandb=WandbConfig(mode="disabled"))
+    out = cfg.stage_dir("eval")
+    assert out.parent.name == "compare"
+    first = main(cfg)  # the budget ends the run after its first turn
+    assert first["turns"] == 1 and set(first["tree_choices"]) == {"prompt_lookup", "a", "b"}
+    summary = main(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, time_budget_s=None)))
+    journal = [json.loads(line) for line in (out / "turns.jsonl").read_text().splitlines()]
+    assert [(t["question_id"], t["turn"]) for t in journal] == [("0", 0), ("1", 0), ("0", 1), ("1", 1)]
+    assert summary["turns"] == 4 and summary["turns_by_index"] == {"1": 2, "2": 2}
+    for name in ("prompt_lookup", "a", "b"):
+        row, tree = summary["rows"][name], summary["tree_choices"][name]
+        assert row["identical_to_vanilla"] == "4/4"  # fp32 greedy: lossless whatever the drafter
+        assert row["tree"] == {k: tree[k] for k in ("depth", "top_k", "total_tokens")} and tree["depth"] <= 2
+        assert row["tau"] == sum(a + 1 for t in journal for a in t[name]["accept_lengths"]) / sum(
+            t[name]["forwards"] for t in journal)
+    assert summary["rows"]["vanilla"]["speedup"] == 1.0 and "| a | **" in summary["table"]
+    assert load_manifest(out)["stage"] == "eval"
+    with pytest.raises(ValueError, match="holds a comparison with other compare, drafters"):
+        main(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, compare=["a"])))

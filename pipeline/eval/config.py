@@ -74,6 +74,9 @@ class EvalConfig:
     limit: Optional[int] = None
     # What drafts: the trained head, or a training-free baseline on the same decoder (lossless either way).
     drafter: DrafterKind = DrafterKind.head
+    # Several drafters side by side on the same turns in one run (`prompt_lookup` or head names under this
+    # experiment's train/; pipeline/eval/compare.py), into eval/compare/<run>. Empty: `drafter` alone.
+    compare: list[str] = field(default_factory=list)
     lookup: LookupConfig = field(default_factory=LookupConfig)
     # default: <questions stem>[-n<limit>]-T<temperature>-m<max_new_tokens>-<precision>-tree<top_k>x<depth>x<total>
     run_name: Optional[str] = None

@@ -1,82 +1,26 @@
-"""Stage eval: tau and speedup of a trained head with the tree speculative decoder."""
+"""Stage eval: tau and speedup of a trained head (or a training-free drafter) with the tree speculative decoder;
+with `eval.compare`, several drafters side by side (compare.py)."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import time
 
-import torch
-
 from pipeline.data.bad_records import BadRecordReport
-from pipeline.data.chat import check_thinking, render_prompt, stop_token_ids
-from pipeline.decoding.autotree import choose_tree
-from pipeline.decoding.drafter import lockstep, make_drafter
-from pipeline.decoding.lookup import PromptLookupDrafter
-from pipeline.dist import TargetLayout, rank_info, rank_target_config, target_layout
-from pipeline.eval.evaluate import answer_questions, record_dict, system_messages
+from pipeline.decoding.drafter import lockstep
+from pipeline.dist import rank_info, rank_target_config, target_layout
+from pipeline.eval import compare
+from pipeline.eval.evaluate import answer_questions, record_dict
 from pipeline.eval.progress import EvalProgress
 from pipeline.eval.questions import load_questions
 from pipeline.eval.report import format_summary, log_wandb, plot_summary, summarize
+from pipeline.eval.subjects import build_drafter, fp32_baseline_model, tree_choice
 from pipeline.files import atomic_write_text, sha256_file
-from pipeline.heads.io import load_head
-from pipeline.manifest import MANIFEST, TrainManifest, to_plain, write_manifest
-from pipeline.target import head_target, load_target
+from pipeline.manifest import MANIFEST, to_plain, write_manifest
+from pipeline.target import load_target
 
 log = logging.getLogger(__name__)
-TREE_CHOICE = "tree_choice.json"
-
-
-def fp32_baseline_model(cfg, target):
-    """On CPU, vanilla decoding of a reduced-precision target is timed in fp32 too: one-token forwards
-    can be slower in bf16 there (measured: 18.0 against 26.5 tokens/s), and speedup must be measured
-    against the fastest vanilla decoding. GPUs decode fastest in bf16: no copy."""
-    if not cfg.eval.baseline or target.device.type != "cpu" or target.precision == "float32":
-        return None
-    return load_target(dataclasses.replace(cfg.target, dtype="float32")).model
-
-
-def build_drafter(cfg, target):
-    """The drafter of eval.drafter, what the summary says of it, and the stage dirs it read (their manifests
-    go into the eval's identity and its manifest's inputs)."""
-    if cfg.eval.drafter == "prompt_lookup":
-        lk = cfg.eval.lookup
-        info = {"name": "prompt_lookup", "kind": "prompt_lookup", "max_ngram": lk.max_ngram, "min_ngram": lk.min_ngram}
-        return PromptLookupDrafter(lk.max_ngram, lk.min_ngram), info, []
-    train_dir = cfg.stage_dir("train")
-    train_manifest = TrainManifest.load(train_dir)
-    # Refuses a head trained on another target (or chat template, unless allowed on purpose).
-    head = load_head(train_dir, head_target(target, cfg.target),
-                     allow_template_mismatch=cfg.eval.allow_template_mismatch)
-    # The prompts are rendered with regen.thinking: it must be the mode the head's rows were rendered in.
-    check_thinking(cfg.regen.thinking, train_manifest, train_dir / MANIFEST, "eval.allow_thinking_mismatch",
-                   cfg.eval.allow_thinking_mismatch)
-    info = {"name": cfg.head.name, "kind": head.config.kind,
-            "train_manifest_code_version": train_manifest.code_version, "config": head.config.to_dict()}
-    return make_drafter(head), info, [train_dir]
-
-
-def tree_choice(cfg, target, drafter, questions, out_dir, resumed: bool, layout: TargetLayout = None) -> dict:
-    """The tree of tree.depth/total_tokens=-1 (autotree.py), measured once per run: kept beside the partial
-    answers, so a resumed eval answers its remaining questions with the tree its first ones had. A tensor-parallel
-    target's ranks all measure (their forwards are collective) and take the first rank's choice."""
-    path = out_dir / TREE_CHOICE
-    layout = layout or TargetLayout(0, 1, 0)
-    kept = layout.agree(json.loads(path.read_text()) if layout.is_writer and resumed and path.is_file() else None)
-    if kept is not None:
-        return kept
-    t = cfg.tree
-    first_turns = [system_messages(q) + [{"role": "user", "content": q.turns[0]}] for q in questions[:t.auto_prompts]]
-    prompts = [torch.tensor(render_prompt(target.tokenizer, m, system_prompt=cfg.data.system_prompt,
-                                          thinking=cfg.regen.thinking)) for m in first_turns]
-    choice = choose_tree(target.model, drafter, prompts, t.top_k, t.depth, t.total_tokens, t.max_depth,
-                         t.max_total_tokens, t.auto_max_new_tokens,
-                         set(stop_token_ids(target.tokenizer, target.model))).as_dict()
-    choice = layout.agree(choice)
-    if layout.is_writer:
-        atomic_write_text(path, json.dumps(choice, indent=1) + "\n")
-    return choice
 
 
 class _FollowerProgress:
@@ -90,6 +34,8 @@ class _FollowerProgress:
 
 
 def main(cfg) -> dict:
+    if cfg.eval.compare:  # several drafters side by side (compare.py)
+        return compare.main(cfg)
     t0 = time.perf_counter()
     out_dir = cfg.stage_dir("eval")
     layout = target_layout(cfg.target.tensor_parallel)
