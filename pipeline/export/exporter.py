@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -14,6 +12,7 @@ import torch
 from torch import nn
 
 from pipeline.decoding.tree import DEFAULT_TREE, TreeSpec
+from pipeline.files import atomic_dir
 from pipeline.heads import build_draft_head, head_spec
 from pipeline.heads.io import check_finite
 from pipeline.manifest import MANIFEST, check_files, load_manifest
@@ -112,22 +111,12 @@ def _fc_in_layer_order(weight: torch.Tensor, layer_ids: Sequence[int]) -> torch.
 def _write_atomically(out_dir: Path, doc: dict, state: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
 
-    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
-    # A killed export left its temporary under its own pid; one writer per folder (pipeline/lock.py) makes
-    # every such sibling stale (the fault campaign found them left behind).
-    for stale in out_dir.parent.glob(f".{out_dir.name}.*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    # A killed export's temporary goes first, a failed one's (a full disk) at once; a wrong export never
+    # replaces a good one.
+    with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
-        check_export(tmp)  # a wrong export never replaces a good one
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # e.g. a full disk: leave no half-written export behind
-        raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+        check_export(tmp)
     return out_dir
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from pipeline.files import atomic_write_text
 from pipeline.heads.losses import simulated_tau
 from pipeline.tracking import start_wandb_run
 
@@ -88,9 +88,7 @@ class MetricsLog:
         if not self.enabled:
             return
         records = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
         if self.wandb_cfg is not None:
             self.run = init_wandb(self.wandb_cfg, self.path.parent, self.wandb_config, self.run_name)
 
