@@ -18,18 +18,8 @@ from pipeline.heads.io import check_finite
 from pipeline.manifest import MANIFEST, check_files, load_manifest
 from pipeline.target import Target
 
-from .formats import (
-    DTYPE_NAMES,
-    INDEX_DTYPES,
-    SAFETENSORS_DTYPES,
-    ExportContext,
-    ExportError,
-    ExportFormat,
-    aux_order,
-    check_aux_layers,
-    detect_format,
-    format_for_head,
-)
+from .formats import ExportContext, ExportError, ExportFormat, detect_format, format_for_head
+from .formats.base import DTYPE_NAMES, INDEX_DTYPES, SAFETENSORS_DTYPES, aux_order, check_aux_layers
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

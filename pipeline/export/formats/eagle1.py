@@ -11,16 +11,8 @@ from torch import nn
 
 from pipeline.heads.config import DraftHeadConfig
 
-from .base import (
-    DTYPE_NAMES,
-    ExportContext,
-    ExportFormat,
-    decoder_layer_tensors,
-    llama_config_fields,
-    llama_fields,
-    register_format,
-    vllm_command,
-)
+from .base import DTYPE_NAMES, ExportContext, ExportFormat, register_format
+from .llama import decoder_layer_tensors, llama_config_fields, llama_fields, vllm_command
 
 
 class Eagle1Official(ExportFormat):

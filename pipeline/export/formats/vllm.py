@@ -9,17 +9,8 @@ import torch
 
 from pipeline.heads.config import DraftHeadConfig, default_aux_layer_ids
 
-from .base import (
-    DTYPE_NAMES,
-    ExportContext,
-    ExportError,
-    ExportFormat,
-    decoder_layer_tensors,
-    llama_config_fields,
-    llama_fields,
-    register_format,
-    vllm_command,
-)
+from .base import DTYPE_NAMES, ExportContext, ExportError, ExportFormat, register_format
+from .llama import decoder_layer_tensors, llama_config_fields, llama_fields, vllm_command
 from .sglang import EAGLE3_NORMS, eagle3_rest, eagle31_fields, read_eagle31_fields
 
 
