@@ -1,5 +1,5 @@
 """The bf16 tie criterion: tree decoding against vanilla decoding with a bf16 target (test_bf16_ties.py, and the
-GPU kit's device check, bench/gpu/checks.py).
+GPU kit's device check, tools/gpu/checks.py).
 
 In bf16 the two cannot be promised equal token for token: the verification forward computes a position inside a
 block of tree tokens, vanilla decoding computes it alone, and the two round differently. At the first position

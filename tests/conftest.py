@@ -114,7 +114,7 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     return path
 
 
-# The device of the tiny fp32 model: cpu here; the GPU kit (bench/gpu) runs the lossless tests with cuda.
+# The device of the tiny fp32 model: cpu here; the GPU kit (tools/gpu) runs the lossless tests with cuda.
 TEST_DEVICE = os.environ.get("EAGLET_TEST_DEVICE", "cpu")
 
 
