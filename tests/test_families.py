@@ -15,8 +15,6 @@ import json
 import pytest
 import torch
 
-from families import FAMILIES, build_family
-from oracle_drafter import OracleDrafter
 from pipeline.data.chat import ChatTemplateError, render_prompt, stop_token_ids, tokenize_conversation
 from pipeline.decoding.decoder import generate
 from pipeline.families import FAMILIES as RECORDS
@@ -25,6 +23,8 @@ from pipeline.manifest import load_manifest
 from pipeline.run import run_stages
 from test_config import compose_cfg
 from test_lossless import hf_greedy
+from tests.support.families import FAMILIES, build_family
+from tests.support.oracle_drafter import OracleDrafter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

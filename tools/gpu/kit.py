@@ -138,8 +138,7 @@ def dry_run(keep: Path | None = None) -> int:
     print_plan(plan)
     problems = limit_violations(plan)
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="eaglet-kit-dry-"))
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import build_tiny_llama, build_tiny_tokenizer
+    from tests.support.tiny import build_tiny_llama, build_tiny_tokenizer
 
     tiny = work / "tiny_target"
     tok = build_tiny_tokenizer()

@@ -1,4 +1,4 @@
-"""`python tests/faulty_run.py <event>:<step>:<SIGNAL> <hydra overrides...>`: `python -m pipeline.run` with a
+"""`python -m tests.support.faulty_run <event>:<step>:<SIGNAL> <hydra overrides...>`: `python -m pipeline.run` with a
 trainer hook (pipeline/train/loop.py TRAINER_HOOKS) that sends this process SIGNAL when the trainer announces
 <event> at <step>, so an interruption lands at a chosen point. Events: step_done (during step N, before its
 metrics are logged), step_logged (after step N is logged), tau_decoding (as step N's real-tau decode starts),
@@ -7,11 +7,8 @@ import os
 import runpy
 import signal
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.train import loop  # noqa: E402
+from pipeline.train import loop
 
 EVENT, STEP, SIGNAL = sys.argv.pop(1).split(":")
 

@@ -72,7 +72,7 @@ def prompts(tokenizer, n: int = len(QUESTIONS)) -> list[list[int]]:
 def oracle(vocab_size: int):
     """Drafts from the vanilla continuation, missing 10% of the time (any drafter would do: the verifier
     decides what is emitted)."""
-    from oracle_drafter import OracleDrafter
+    from tests.support.oracle_drafter import OracleDrafter
 
     return lambda reference, i: OracleDrafter(reference, vocab_size, miss_rate=0.1, seed=i)
 
