@@ -66,7 +66,7 @@ install-llama-cpp: install
 	    $(PYTHON) -m tools.llama_cpp_check; }
 
 # The real llama.cpp server (continuous batching over parallel slots) for regen through the `openai` backend
-# and bench/bench_stages.py: built from the llama.cpp that the pinned llama-cpp-python sdist vendors (one
+# and bench/bench_stages.py (python -m bench.bench_stages): built from the llama.cpp that the pinned llama-cpp-python sdist vendors (one
 # llama.cpp version in the project), for this CPU, with the AMX kernels made safe by tools/patch_llama_cpp.py
 # (4.8x faster prompt processing on AMX CPUs than the build without them).
 # Built into eaglet's cache (beside the dequantized targets), where `regen.backend=auto` finds it from any
@@ -147,7 +147,7 @@ lint: $(if $(filter $(CURDIR)/.venv/bin/python,$(PYTHON)),$(CURDIR)/.venv/bin/py
 	$(PYTHON) -m ruff check .
 
 bench: install
-	$(RUN) $(PYTHON) bench/run_all.py
+	$(RUN) $(PYTHON) -m bench.run_all
 
 clean-demo:
 	rm -rf outputs/$(EXPERIMENT)

@@ -15,8 +15,8 @@ and how many turns equal vanilla decoding at the methods' precision token for to
 The trained heads come from one experiment (default `outputs/smollm2_methods`, jobs/methods.sh trains them on
 one dump with one budget). Each finished turn goes to a journal; a rerun continues after the last one.
 
-    python bench/bench_methods.py                       # ~70 minutes on 2 CPU cores
-    python bench/bench_methods.py --limit 2             # a smoke run
+    python -m bench.bench_methods                       # ~70 minutes on 2 CPU cores
+    python -m bench.bench_methods --limit 2             # a smoke run
 Writes bench/results/methods.json (or --out) and prints the table.
 """
 from __future__ import annotations
@@ -25,27 +25,25 @@ import argparse
 import dataclasses
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
+import torch
+
+from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.decoding.autotree import choose_tree
+from pipeline.decoding.decoder import acceptance_rates, generate, vanilla_generate
+from pipeline.decoding.drafter import make_drafter
+from pipeline.decoding.lookup import PromptLookupDrafter
+from pipeline.eval.config import TreeConfig
+from pipeline.eval.evaluate import system_messages
+from pipeline.eval.questions import load_questions
+from pipeline.heads.io import load_head
+from pipeline.manifest import load_manifest
+from pipeline.target import TargetConfig, load_target
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from pipeline.data.bad_records import BadRecordReport  # noqa: E402
-from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
-from pipeline.decoding.autotree import choose_tree  # noqa: E402
-from pipeline.decoding.decoder import acceptance_rates, generate, vanilla_generate  # noqa: E402
-from pipeline.decoding.drafter import make_drafter  # noqa: E402
-from pipeline.decoding.lookup import PromptLookupDrafter  # noqa: E402
-from pipeline.eval.config import TreeConfig  # noqa: E402
-from pipeline.eval.evaluate import system_messages  # noqa: E402
-from pipeline.eval.questions import load_questions  # noqa: E402
-from pipeline.heads.io import load_head  # noqa: E402
-from pipeline.manifest import load_manifest  # noqa: E402
-from pipeline.target import TargetConfig, load_target  # noqa: E402
 
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 # Table rows: method name -> the head folder under <experiment>/train (None: training-free).
