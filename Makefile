@@ -54,20 +54,20 @@ install-test: install-test-python install-llama-cpp install-slurm llama-server
 # (-march=native) but without llama.cpp's AMX kernels: built by GCC 12 (Debian 12) they load an all-zero
 # tile configuration (the compiler drops the stores that fill it before `ldtilecfg`), and the first
 # multi-token prompt dies with SIGILL on AMX CPUs. Dropping them costs AMX prompt processing only; the
-# AVX512/VNNI kernels stay. tests/llama_cpp_check.py runs a real multi-token chat completion: a build that
+# AVX512/VNNI kernels stay. tools/llama_cpp_check.py runs a real multi-token chat completion: a build that
 # fails it (say a wheel pip cached before this rule) is rebuilt once without pip's cache.
 LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)')
 install-llama-cpp: install
-	@$(PYTHON) tests/llama_cpp_check.py 2>/dev/null || \
-	  { CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) "llama-cpp-python[server]" && $(PYTHON) tests/llama_cpp_check.py; } || \
+	@$(PYTHON) -m tools.llama_cpp_check 2>/dev/null || \
+	  { CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) "llama-cpp-python[server]" && $(PYTHON) -m tools.llama_cpp_check; } || \
 	  { echo "install-llama-cpp: rebuilding llama-cpp-python without pip's cache"; \
 	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir --force-reinstall --no-deps llama-cpp-python && \
-	    $(PYTHON) tests/llama_cpp_check.py; }
+	    $(PYTHON) -m tools.llama_cpp_check; }
 
 # The real llama.cpp server (continuous batching over parallel slots) for regen through the `openai` backend
-# and bench/bench_stages.py: built from the llama.cpp that the pinned llama-cpp-python sdist vendors (one
-# llama.cpp version in the project), for this CPU, with the AMX kernels made safe by jobs/patch_llama_cpp.py
+# and bench/bench_stages.py (python -m bench.bench_stages): built from the llama.cpp that the pinned llama-cpp-python sdist vendors (one
+# llama.cpp version in the project), for this CPU, with the AMX kernels made safe by tools/patch_llama_cpp.py
 # (4.8x faster prompt processing on AMX CPUs than the build without them).
 # Built into eaglet's cache (beside the dequantized targets), where `regen.backend=auto` finds it from any
 # working directory and a new clone reuses it.
@@ -78,7 +78,7 @@ $(LLAMA_SERVER):
 	mkdir -p $(LLAMA_DIR)/src
 	$(PIP) download --no-deps --no-binary :all: -c constraints.txt -d $(LLAMA_DIR)/src llama-cpp-python
 	tar xzf $(LLAMA_DIR)/src/llama_cpp_python-*.tar.gz -C $(LLAMA_DIR)/src
-	$(PYTHON) jobs/patch_llama_cpp.py $$(ls -d $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp)
+	$(PYTHON) -m tools.patch_llama_cpp $$(ls -d $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp)
 	cmake -S $$(ls -d $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp) -B $(LLAMA_DIR)/build-amx \
 	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
 	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
@@ -147,7 +147,7 @@ lint: $(if $(filter $(CURDIR)/.venv/bin/python,$(PYTHON)),$(CURDIR)/.venv/bin/py
 	$(PYTHON) -m ruff check .
 
 bench: install
-	$(RUN) $(PYTHON) bench/run_all.py
+	$(RUN) $(PYTHON) -m bench.run_all
 
 clean-demo:
 	rm -rf outputs/$(EXPERIMENT)

@@ -13,8 +13,8 @@ EAGLE-3 head (`outputs/smollm2_methods/train/eagle3`, jobs/methods.sh):
 3. `tree`: a picture of one drafted tree at one decoding step (node = draft token and its cumulative draft
    log-probability; the accepted path highlighted).
 
-    python bench/analyses.py                  # all three, ~25 minutes on 2 CPU cores
-    python bench/analyses.py --only tree      # one of them
+    python -m bench.analyses                  # all three, ~25 minutes on 2 CPU cores
+    python -m bench.analyses --only tree      # one of them
 Writes bench/results/analyses.json and the pictures under docs/results/.
 """
 from __future__ import annotations
@@ -27,22 +27,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from bench.bench_methods import MT_BENCH
+from pipeline.data.bad_records import BadRecordReport
+from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.decoding.autotree import RecordingDrafter, accepted_paths
+from pipeline.decoding.decoder import acceptance_rates, generate
+from pipeline.decoding.drafter import make_drafter
+from pipeline.decoding.tree import TreeSpec
+from pipeline.eval.compare import aggregate, decode_turn, fp32_vanilla_pays
+from pipeline.eval.questions import load_questions
+from pipeline.heads.io import load_head
+from pipeline.target import TargetConfig, load_target
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-import torch  # noqa: E402
-
-from bench_methods import MT_BENCH, aggregate, decode_turn, fp32_vanilla_pays  # noqa: E402
-from pipeline.data.bad_records import BadRecordReport  # noqa: E402
-from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
-from pipeline.decoding.autotree import RecordingDrafter, accepted_paths  # noqa: E402
-from pipeline.decoding.decoder import acceptance_rates, generate  # noqa: E402
-from pipeline.decoding.drafter import make_drafter  # noqa: E402
-from pipeline.decoding.tree import TreeSpec  # noqa: E402
-from pipeline.eval.questions import load_questions  # noqa: E402
-from pipeline.heads.io import load_head  # noqa: E402
-from pipeline.target import TargetConfig, load_target  # noqa: E402
 
 FIGURES = REPO / "docs" / "results"
 CHAINS = range(1, 9)

@@ -12,7 +12,7 @@ micro-batches. Measured side by side:
     no model load or validation).
 Target: verifying costs at most 5% of one epoch. Writes bench/results/integrity.json.
 
-    python bench/bench_integrity.py --conversations 60     # about 3 minutes on 2 cores
+    python -m bench.bench_integrity --conversations 60     # about 3 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -26,18 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.bench_stages import cpu_model
+from pipeline.config import EagletConfig
+from pipeline.data.config import DataConfig, SourceConfig
+from pipeline.heads import Eagle3HeadConfig
+from pipeline.hidden_states.config import DumpConfig
+from pipeline.hidden_states.reader import DumpReader, verify_shards
+from pipeline.target import TargetConfig
+from pipeline.train.config import TrainConfig
+from pipeline.train.data import split_train_val, truncated_lengths
 
-from bench.bench_stages import cpu_model  # noqa: E402
-from pipeline.config import EagletConfig  # noqa: E402
-from pipeline.data.config import DataConfig, SourceConfig  # noqa: E402
-from pipeline.heads import Eagle3HeadConfig  # noqa: E402
-from pipeline.hidden_states.config import DumpConfig  # noqa: E402
-from pipeline.hidden_states.reader import DumpReader, verify_shards  # noqa: E402
-from pipeline.target import TargetConfig  # noqa: E402
-from pipeline.train.config import TrainConfig  # noqa: E402
-from pipeline.train.data import split_train_val, truncated_lengths  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SHARED = REPO.parent / "shared" / "data"
 SOURCE = SHARED / "sharegpt_sg92k_sample1000" / "sharegpt_1000.json"  # real multi-turn ShareGPT with answers

@@ -10,8 +10,8 @@ machine it ran on, plus the tree each method would get if verification cost the 
 The trained heads come from one experiment (default `smollm2_methods`, jobs/methods.sh trains them on one dump
 with one budget).
 
-    python bench/bench_methods.py                       # ~70 minutes on 2 CPU cores
-    python bench/bench_methods.py --limit 2             # a smoke run
+    python -m bench.bench_methods                       # ~70 minutes on 2 CPU cores
+    python -m bench.bench_methods --limit 2             # a smoke run
 Writes bench/results/methods.json (or --out) and prints the table.
 """
 from __future__ import annotations
@@ -19,19 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 from pathlib import Path
 
+import torch
+
+from pipeline.config import EagletConfig
+from pipeline.eval.config import EvalConfig, TreeConfig
+from pipeline.eval.run import main as eval_main
+from pipeline.manifest import TrainManifest
+from pipeline.target import TargetConfig
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from pipeline.config import EagletConfig  # noqa: E402
-from pipeline.eval.config import EvalConfig, TreeConfig  # noqa: E402
-from pipeline.eval.run import main as eval_main  # noqa: E402
-from pipeline.manifest import TrainManifest  # noqa: E402
-from pipeline.target import TargetConfig  # noqa: E402
 
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 # Table rows: method name -> what eval.compare decodes (a head folder under <experiment>/train, or prompt_lookup).

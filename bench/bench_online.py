@@ -6,7 +6,7 @@ the same head with the same settings; only where the states come from differs. T
 time as a user pays it (target load included); the tau probe decodes are off (`train.tau_prompts=0`) since
 they cost the same either way. Offline's dump is paid once, so its cost per epoch falls with epochs:
 
-    python bench/bench_online.py            # ~9 minutes on 2 cores (regen included); writes bench/results/online.json
+    python -m bench.bench_online            # ~9 minutes on 2 cores (regen included); writes bench/results/online.json
 """
 from __future__ import annotations
 

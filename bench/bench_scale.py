@@ -3,13 +3,13 @@
 1. Peak RSS of offline training and of export (both read only the target's parts: embedding, lm_head, final norm)
    against loading the full target in the trainer's precision, and against the same training with the full target
    loaded (its tau probe decodes with it), for SmolLM2-135M and for a tiny target padded with 1 GB of experts
-   (tests/families.py `build_padded_moe`): `rss_ratio` = parts / full. Each figure is the process's own peak (a
+   (tests/support/families.py `build_padded_moe`): `rss_ratio` = parts / full. Each figure is the process's own peak (a
    stage's manifest's timings.peak_rss_mb, Linux VmHWM).
 2. Dump tokens/s with the target tensor-parallel over 2 ranks against 1 rank (torchrun, gloo), on the suite's tiny
    Llama-shaped target: a correctness vehicle on 2 CPU cores, not a speed claim.
 3. The dump reader's open time for 1k, 10k and 100k shards (bench/scale_reader.py).
 
-    python bench/bench_scale.py      # ~5 minutes on 2 cores; writes bench/results/scale.json
+    python -m bench.bench_scale      # ~5 minutes on 2 cores; writes bench/results/scale.json
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the padded target's builder (tests/families.py)
 SHARED = REPO.parent / "shared" / "data"
 DATA = ["dump.input=data", f"data.sources=[{{path:{SHARED / 'alpaca_en_demo' / 'alpaca_en_demo.json'},limit:16}}]",
         "data.max_length=128"]
@@ -76,9 +75,9 @@ def rss_row(root: Path, label: str, target: list[str], target_kw: dict, weights_
 
 
 def rss_section(work: Path) -> list[dict]:
-    from families import build_padded_moe
     from pipeline.hidden_states.sizing import target_parameters
     from pipeline.target import TargetConfig, load_target_parts
+    from tests.support.families import build_padded_moe
 
     smol_bytes = target_parameters(load_target_parts(TargetConfig()).model.config) * 4
     rows = [rss_row(work / "smollm2", "SmolLM2-135M-Instruct", ["target=smollm2_135m"], {}, smol_bytes)]
@@ -93,14 +92,13 @@ def rss_section(work: Path) -> list[dict]:
 def tp_section(work: Path, rows: int) -> dict:
     """bench/bench_tp.py's dump at TP=2 against TP=1 (the synthetic Llama: 8 heads / 4 kv heads)."""
     out = work / "tp.json"
-    run(str(REPO / "bench" / "bench_tp.py"), "--rows", str(rows), "--out", str(out))
+    run("-m", "bench.bench_tp", "--rows", str(rows), "--out", str(out))
     return json.loads(out.read_text())
 
 
 def reader_section(work: Path, counts: list[int]) -> dict:
     """bench/scale_reader.py: the dump reader's open time for manifests of many small shards."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from scale_reader import reader_open_times
+    from bench.scale_reader import reader_open_times
 
     return reader_open_times(work, counts=tuple(counts))
 
@@ -122,7 +120,7 @@ def main() -> None:
     sections = args.sections.split(",")
     from pipeline.manifest import code_version
 
-    result = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "command": "python bench/bench_scale.py",
+    result = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "command": "python -m bench.bench_scale",
               "date": time.strftime("%Y-%m-%d"), "code_version": code_version()}
     with tempfile.TemporaryDirectory(prefix="eaglet-bench-scale-") as tmp:
         work = Path(tmp)

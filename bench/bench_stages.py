@@ -16,7 +16,7 @@ first answers and their mean common prefix in characters (`--reference hf-fp32-f
 answers just the first turns, which are exactly hf-fp32's). An engine that is not installed or fails gives
 its exact error instead. Ratios are over `--baseline` (llama.cpp).
 
-    python bench/bench_stages.py --conversations 32 --max-new-tokens 256 --stages regen \
+    python -m bench.bench_stages --conversations 32 --max-new-tokens 256 --stages regen \
         --engines llama.cpp,vllm,openvino,ctranslate2 --work /tmp/engines   # a rerun reuses finished engines
 dump, train, eval: the real stages, fp32 against bf16 (`auto` on a CPU with fast bf16), on the regenerated
 conversations of the regen bench (the llama.cpp run's, else hf-fp32's):
@@ -45,17 +45,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from pipeline.config import EagletConfig
+from pipeline.data.config import DataConfig
+from pipeline.regen.config import LlamaCppConfig, RegenConfig
+from pipeline.regen.llama_server import binary_path
+from pipeline.regen.shards import regen_sources
+from pipeline.target import TargetConfig
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from pipeline.config import EagletConfig  # noqa: E402
-from pipeline.data.config import DataConfig  # noqa: E402
-from pipeline.regen.config import LlamaCppConfig, RegenConfig  # noqa: E402
-from pipeline.regen.llama_server import binary_path  # noqa: E402
-from pipeline.regen.shards import regen_sources  # noqa: E402
-from pipeline.target import TargetConfig  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 # The quality experiment's first source (multi-turn ShareGPT): its first N conversations are the workload.
@@ -290,8 +289,8 @@ def read_child(dump_dir: str) -> None:
 def read_memory(dump_dir: Path, larger: Path) -> dict:
     """Peak memory reading a dump and a copy 4x larger, each in its own child process."""
     def measure(path: Path) -> dict:
-        out = subprocess.run([sys.executable, __file__, "--read", str(path)], cwd=REPO, capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run([sys.executable, "-m", "bench.bench_stages", "--read", str(path)], cwd=REPO,
+                             capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     manifest = json.loads((dump_dir / "manifest.json").read_text())

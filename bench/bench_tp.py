@@ -5,8 +5,8 @@ with every core's threads, and TP=N as N torchrun processes (gloo on CPU, NCCL o
 reports the dump's own rate (tokens over the seconds spent in shards, the manifest's `timings.tokens_per_s`) and
 the wall time of the whole command (startup and target load included), and checks the two dumps agree.
 
-    python bench/bench_tp.py                          # a synthetic Llama (8 heads / 4 kv heads), TP 2
-    python bench/bench_tp.py --target smollm2 --tp 3  # SmolLM2-135M: 9 heads / 3 kv heads, so TP 3 (not 2)
+    python -m bench.bench_tp                          # a synthetic Llama (8 heads / 4 kv heads), TP 2
+    python -m bench.bench_tp --target smollm2 --tp 3  # SmolLM2-135M: 9 heads / 3 kv heads, so TP 3 (not 2)
 
 On a 2-core CPU both runs share the same 2 cores, so TP cannot be faster there: the figure is the cost of the
 collectives (two all-reduces per layer over gloo), not a speedup. TP is for a target that does not fit one device.
@@ -34,8 +34,7 @@ def synthetic_llama(path: Path, hidden: int, layers: int, heads: int, kv_heads: 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import build_tiny_tokenizer
+    from tests.support.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ trained head (the tree is picked by measuring; the quality experiment's tree is 
    vanilla decoding and by each tree, prompt by prompt in the same process, so drift hits every variant.
    Prints tau, tokens/s and the speedup over vanilla, and checks that every output equals vanilla's.
 
-    flock /tmp/eaglet-cpu.lock python bench/bench_tree.py \
+    flock /tmp/eaglet-cpu.lock python -m bench.bench_tree \
         --train-dir outputs/smollm2_quality/train/eagle3          # ~6 minutes on 2 cores
 Writes bench/results/tree.json (or --out).
 """
@@ -21,18 +21,17 @@ import platform
 import sys
 from pathlib import Path
 
+import torch
+
+from pipeline.data.chat import render_prompt, stop_token_ids
+from pipeline.decoding.autotree import choose_tree, verify_costs
+from pipeline.decoding.decoder import generate, vanilla_generate
+from pipeline.decoding.drafter import make_drafter
+from pipeline.decoding.tree import TreeSpec
+from pipeline.heads.io import load_head
+from pipeline.target import TargetConfig, load_target
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from pipeline.data.chat import render_prompt, stop_token_ids  # noqa: E402
-from pipeline.decoding.autotree import choose_tree, verify_costs  # noqa: E402
-from pipeline.decoding.decoder import generate, vanilla_generate  # noqa: E402
-from pipeline.decoding.drafter import make_drafter  # noqa: E402
-from pipeline.decoding.tree import TreeSpec  # noqa: E402
-from pipeline.heads.io import load_head  # noqa: E402
-from pipeline.target import TargetConfig, load_target  # noqa: E402
 
 SEED_TASKS = REPO.parent / "shared" / "data" / "alpaca_seed_tasks" / "seed_tasks.jsonl"
 # (depth, top_k, total_tokens): the quality experiment's tree, three smaller trees, and two chains (top_k = 1).

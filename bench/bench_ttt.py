@@ -14,7 +14,7 @@ dumps come close, and any miss only helps the efficient path). The efficient pat
 only at counted positions (75% here); the reference, being plain, computes them everywhere. `attention_only`
 isolates the attention kernels (all 7 rounds, forward + backward, at 2048) from the loss.
 
-Usage: flock /tmp/eaglet-cpu.lock python bench/bench_ttt.py   (writes bench/results/ttt.json)
+Usage: flock /tmp/eaglet-cpu.lock python -m bench.bench_ttt   (writes bench/results/ttt.json)
 """
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DIMS = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
             vocab_size=49152, draft_vocab_size=32000)
@@ -159,7 +158,7 @@ def child(variant: str, seq_len: int, attention_only: bool) -> dict:
 
 
 def run_child(variant: str, seq_len: int, attention_only: bool) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, str(seq_len)]
+    cmd = [sys.executable, "-m", "bench.bench_ttt", "--child", variant, str(seq_len)]
     cmd += ["--attention-only"] if attention_only else []
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode:

@@ -1,9 +1,9 @@
 """Fault campaign: SIGKILL every stage of the chain at seeded random moments, rerun it, and check that the
 resumed run's artefacts equal an uninterrupted run's.
 
-    python bench/faults.py                      # the demo target (SmolLM2-135M), 10 kills per stage
-    python bench/faults.py --kills 3 --stages train,eval
-    python bench/faults.py --tiny --kills 1     # the suite's tiny random Llama (tests/test_faults.py)
+    python -m bench.faults                      # the demo target (SmolLM2-135M), 10 kills per stage
+    python -m bench.faults --kills 3 --stages train,eval
+    python -m bench.faults --tiny --kills 1     # the suite's tiny random Llama (tests/test_faults.py)
 
 First an uninterrupted reference chain (regen with the in-process HF engine, dump, train, eval, export) runs
 in <work>/reference, each stage a real `python -m pipeline.run` process; it times every stage: the moment its
@@ -69,7 +69,6 @@ from pathlib import Path
 from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 STAGES = ("regen", "dump", "train", "eval", "export")
 NAME, HEAD, EVAL_RUN = "faults", "eagle3", "faults"
@@ -151,9 +150,8 @@ def copy_inputs(ref_root: Path, root: Path, stage: str) -> None:
 
 
 def build_tiny_target(path: Path) -> Path:
-    """The suite's seeded tiny Llama and its tokenizer (tests/conftest.py) as a local HF directory."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import build_tiny_llama, build_tiny_tokenizer
+    """The suite's seeded tiny Llama and its tokenizer (tests/support/tiny.py) as a local HF directory."""
+    from tests.support.tiny import build_tiny_llama, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     build_tiny_llama(len(tokenizer)).save_pretrained(path)

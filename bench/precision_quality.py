@@ -8,7 +8,7 @@
 Every step is a `python -m pipeline.run` command under --root (each resumes or skips what is done), printed as
 it runs; the results go to --out as JSON. About 25 minutes on the 2-core CPU.
 
-    python bench/precision_quality.py --root outputs/precision --out bench/results/precision_quality.json
+    python -m bench.precision_quality --root outputs/precision --out bench/results/precision_quality.json
 """
 from __future__ import annotations
 

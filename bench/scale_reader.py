@@ -5,28 +5,23 @@ The shards are one small real shard (the real writer) hard-linked under n names 
 a hard link costs one memory map per name like a distinct file, so this reproduces vm.max_map_count (65530)
 without writing n files. Called from bench/bench_scale.py; alone:
 
-    python bench/scale_reader.py [--counts 1000 10000 100000]
+    python -m bench.scale_reader [--counts 1000 10000 100000]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from pipeline.hidden_states.capture import CONVENTION, FINAL_FEATURE  # noqa: E402
-from pipeline.hidden_states.plan import TokenizedSample  # noqa: E402
-from pipeline.hidden_states.shards import (  # noqa: E402
+from pipeline.hidden_states.capture import CONVENTION, FINAL_FEATURE
+from pipeline.hidden_states.plan import TokenizedSample
+from pipeline.hidden_states.shards import (
     FORMAT_NAME,
     FORMAT_VERSION,
     ShardWriter,
@@ -35,7 +30,9 @@ from pipeline.hidden_states.shards import (  # noqa: E402
     record_batch,
     shard_name,
 )
-from pipeline.manifest import write_manifest  # noqa: E402
+from pipeline.manifest import write_manifest
+
+REPO = Path(__file__).resolve().parents[1]
 
 LINKS_PER_FILE = 50_000  # ext4 allows 65,000 links to one file: a new real shard every 50k names
 

@@ -5,8 +5,8 @@
 #   jobs/methods.sh data       # regen (llama.cpp, ~90k answer tokens, ~15 min) and the bf16 dump (~3 min)
 #   jobs/methods.sh heads      # EAGLE-3, EAGLE-3 + 3.1, EAGLE-1, Medusa-1: one budget (~25 min)
 #   jobs/methods.sh ablation   # EAGLE-3 against 3.1, decoded with the deep default tree (~5 min; CELLS=1: each option alone)
-#   jobs/methods.sh table      # bench/bench_methods.py: every method on 40 MT-bench questions (~70 min)
-#   jobs/methods.sh analyses   # bench/analyses.py: chain and tree sweeps, the template experiment, a tree picture
+#   jobs/methods.sh table      # python -m bench.bench_methods: every method on 40 MT-bench questions (~70 min)
+#   jobs/methods.sh analyses   # python -m bench.analyses: chain and tree sweeps, the template experiment, a tree picture
 # Extra Hydra overrides go to every stage: jobs/methods.sh data data.root=/data/eaglet
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,10 +41,10 @@ ablation)
   done
   ;;
 table)
-  python bench/bench_methods.py
+  python -m bench.bench_methods
   ;;
 analyses)
-  python bench/analyses.py
+  python -m bench.analyses
   ;;
 *)
   echo "unknown step $STEP: data | heads | ablation | table | analyses" >&2; exit 2

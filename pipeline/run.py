@@ -9,6 +9,7 @@ import importlib
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, Sequence
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -18,6 +19,9 @@ from pipeline.config import STAGES, EagletConfig
 from pipeline.heads import HEADS
 from pipeline.lock import OutputLock
 from pipeline.manifest import DiskFull, disk_full
+
+if TYPE_CHECKING:
+    from pipeline.train.loop import TrainerHook
 
 STAGE_MODULES = {
     "regen": "pipeline.regen.run",
@@ -45,7 +49,8 @@ def stage_main(stage: str):
     return importlib.import_module(STAGE_MODULES[str(stage)]).main
 
 
-def run_stages(cfg: EagletConfig) -> None:
+def run_stages(cfg: EagletConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None:
+    """Runs cfg.stage (or every stage) under its output lock; `trainer_hooks` go to the train stage's Trainer."""
     stages = STAGES if cfg.stage == "all" else (str(cfg.stage),)  # `stage` is checked at compose time
     if cfg.stage == "all" and cfg.train.source == "online":  # the training job computes the states itself
         stages = tuple(s for s in stages if s != "dump")
@@ -56,7 +61,7 @@ def run_stages(cfg: EagletConfig) -> None:
         out_dir = staged.stage_dir(stage)
         try:
             with OutputLock(out_dir, stage):  # one writer per output folder (pipeline/lock.py)
-                main(staged)
+                main(staged, **({"hooks": trainer_hooks} if stage == "train" else {}))  # only train has hooks
         except Exception as e:
             if (full := disk_full(e)) is None:
                 raise
@@ -71,6 +76,12 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    execute(dcfg)
+
+
+def execute(dcfg: DictConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None:
+    """The composed config, typed and run; an error eaglet raises on purpose ends the process with one line.
+    A caller with its own Hydra entry passes trainer hooks (tests/support/faulty_run.py, its fault injector)."""
     try:
         cfg = to_typed(dcfg)
     except (ValueError, TypeError) as e:
@@ -81,7 +92,7 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(1)
     logging.getLogger().setLevel(cfg.log_level)
     try:
-        run_stages(cfg)
+        run_stages(cfg, trainer_hooks)
     except Exception as e:
         if not is_user_error(e) or os.environ.get("EAGLET_TRACEBACK"):
             raise

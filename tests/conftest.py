@@ -1,5 +1,5 @@
-"""Shared fixtures: a seeded tiny random Llama with a real (trained) byte-level BPE tokenizer and a
-ChatML chat template, for unit tests; the real SmolLM2 target for `slow` integration tests."""
+"""Shared fixtures: the seeded tiny Llama and its tokenizer (tests/support/tiny.py) for unit tests; the real
+SmolLM2 target for `slow` integration tests."""
 from __future__ import annotations
 
 import os
@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.tiny import build_tiny_llama, build_tiny_tokenizer
 
 torch.set_num_threads(int(os.environ.get("EAGLET_TEST_THREADS", "2")))
 # `auto` precision resolves to float32 in the suite on every machine (the exactness tests mean the same with
@@ -16,77 +18,6 @@ os.environ["EAGLET_FAST_BF16"] = "0"
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Speculative decoding drafts tokens with a small head and verifies them with the target model.",
-    "def add(a, b):\n    return a + b\n",
-    "What is 12 times 7? It is 84.",
-    "Write a short poem about the sea, the wind and the stars.",
-    "You are a helpful assistant. Answer briefly and precisely.",
-    "Hello! How can I help you today?",
-]
-
-
-def build_tiny_tokenizer(specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos="<|im_start|>",
-                         eos="<|im_end|>", template=CHATML_TEMPLATE):
-    """A byte-level BPE tokenizer (exact round trip of any text) with the given special tokens (pad and unk
-    first) and chat template: ChatML by default; tests/families.py gives other families' own."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=list(specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=specials[0],
-        unk_token=specials[0],
-    )
-    fast.chat_template = template
-    return fast
-
-
-def build_tiny_llama(vocab_size: int, seed: int = 0, num_layers: int = 8):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(cfg)
-    # Random init gives near-uniform logits; scale the head so greedy paths are decisive and stable.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model.eval()
 
 
 @pytest.fixture
@@ -114,7 +45,7 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     return path
 
 
-# The device of the tiny fp32 model: cpu here; the GPU kit (bench/gpu) runs the lossless tests with cuda.
+# The device of the tiny fp32 model: cpu here; the GPU kit (tools/gpu) runs the lossless tests with cuda.
 TEST_DEVICE = os.environ.get("EAGLET_TEST_DEVICE", "cpu")
 
 

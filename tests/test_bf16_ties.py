@@ -1,4 +1,4 @@
-"""bf16 speculative decoding parts from bf16 vanilla decoding only at numerical ties (tests/bf16_ties.py
+"""bf16 speculative decoding parts from bf16 vanilla decoding only at numerical ties (tests/support/bf16_ties.py
 derives the bound), and the check has teeth: a verifier that emits a draft the target does not rank first
 is caught. The exact (token for token) lossless tests stay in fp32 (test_decoder.py)."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import bf16_ties
 import pipeline.decoding.decoder as decoder
-from bf16_ties import divergences, oracle
-from conftest import build_tiny_llama
+from tests.support import bf16_ties
+from tests.support.bf16_ties import divergences, oracle
+from tests.support.tiny import build_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -201,7 +201,7 @@ def assert_states_match_independent_run(model, reader, by_id, rows, atol):
 
 
 def test_reader_refuses_other_target_layers_or_tokenizer(tiny_target, samples, tmp_path, tiny_tokenizer):
-    from conftest import build_tiny_llama
+    from tests.support.tiny import build_tiny_llama
 
     dump_hidden_states(tiny_target, samples[:6], DumpConfig(**SMALL), tmp_path, progress=False)
     other_dir = tmp_path / "other_model"

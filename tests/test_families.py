@@ -1,4 +1,4 @@
-"""Target families beyond Llama (tests/families.py): seeded tiny random models of Qwen2, Qwen3, Mistral (sliding
+"""Target families beyond Llama (tests/support/families.py): seeded tiny random models of Qwen2, Qwen3, Mistral (sliding
 window), Gemma 3 (five sliding-window layers to one global), Phi-3 and Qwen3-MoE, each with its own chat format.
 
 For each family: the loss mask covers exactly the assistant turns (content and end-of-turn token, nothing of the
@@ -15,8 +15,6 @@ import json
 import pytest
 import torch
 
-from families import FAMILIES, build_family
-from oracle_drafter import OracleDrafter
 from pipeline.data.chat import ChatTemplateError, render_prompt, stop_token_ids, tokenize_conversation
 from pipeline.decoding.decoder import generate
 from pipeline.decoding.tree import TreeSpec
@@ -26,6 +24,8 @@ from pipeline.manifest import load_manifest
 from pipeline.run import run_stages
 from test_config import compose_cfg
 from test_lossless import hf_greedy
+from tests.support.families import FAMILIES, build_family
+from tests.support.oracle_drafter import OracleDrafter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

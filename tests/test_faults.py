@@ -6,26 +6,17 @@ test_regen.py, test_dump_kill.py and test_train_resume.py, and all five by the f
 (bench/results/faults.json). About 70 s on 2 cores: 9 processes, mostly startup."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from conftest import REPO
+from bench import faults
 
 pytestmark = pytest.mark.slow
 KILLED = ("eval", "export")
 
 
-def load_faults():
-    spec = importlib.util.spec_from_file_location("bench_faults", REPO / "bench" / "faults.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_kill_in_eval_and_in_export_resumes_to_identical_artefacts(tiny_model_dir, tmp_path):
-    faults = load_faults()
     out = tmp_path / "faults.json"
     rc = faults.main(["--tiny", "--target-dir", str(tiny_model_dir), "--kills", "1", "--stages", ",".join(KILLED),
                       "--work", str(tmp_path / "work"), "--out", str(out)])

@@ -1,4 +1,4 @@
-"""The GPU kit (bench/gpu) works before the first lent GPU: `kit.py --dry-run` prepares the kit, checks
+"""The GPU kit (tools/gpu) works before the first lent GPU: `kit.py --dry-run` prepares the kit, checks
 every limit of the device tool (bytes per call, files back and their sizes, phase budgets against the call
 limits) and runs both device calls here on CPU against a tiny model, end to end, joining the returned head."""
 from __future__ import annotations
@@ -10,11 +10,12 @@ import sys
 import pytest
 
 from conftest import REPO
+from tools.gpu import kitfiles
 
 
 @pytest.mark.slow
 def test_gpu_kit_dry_run_passes(tmp_path):
-    proc = subprocess.run([sys.executable, "bench/gpu/kit.py", "--dry-run", "--keep", str(tmp_path)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu.kit", "--dry-run", "--keep", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     plan = json.loads((REPO / ".gpukit" / "plan.json").read_text())
@@ -29,15 +30,7 @@ def test_gpu_kit_dry_run_passes(tmp_path):
     assert r1["phases"]["bf16_ties"]["divergences_outside_tie_bound"] == 0
 
 
-def _kitfiles():
-    sys.path.insert(0, str(REPO / "bench" / "gpu"))
-    import kitfiles
-
-    return kitfiles
-
-
 def test_parts_join_back_checked(tmp_path):
-    kitfiles = _kitfiles()
     src = tmp_path / "model.gguf"
     src.write_bytes(bytes(range(256)) * 1000)
     index = kitfiles.split_file(src, tmp_path / "a", part_bytes=100_000)
@@ -57,7 +50,6 @@ def test_parts_join_back_checked(tmp_path):
 
 
 def test_back_violations_name_every_limit(tmp_path):
-    kitfiles = _kitfiles()
     out = tmp_path / "out"
     (out / "a" / "b" / "c").mkdir(parents=True)
     assert kitfiles.back_violations(out) == []
@@ -74,7 +66,6 @@ def test_back_violations_name_every_limit(tmp_path):
 
 
 def test_wheel_from_installed_installs_offline(tmp_path):
-    kitfiles = _kitfiles()
     whl = kitfiles.wheel_from_installed("omegaconf", tmp_path / "wheels")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
                     str(tmp_path / "site"), str(whl)], check=True, timeout=120)

@@ -341,10 +341,10 @@ def test_the_cli_names_a_target_that_is_no_model_in_one_line(tmp_path):
 
 def test_a_head_trained_for_another_target_is_refused_naming_both(tiny_model, tiny_model_dir, tiny_tokenizer,
                                                                    tmp_path):
-    from conftest import build_tiny_llama
     from pipeline.eval.subjects import build_drafter
     from pipeline.export.run import main as export_main
     from test_export import fake_train_stage, make_head, stage_config
+    from tests.support.tiny import build_tiny_llama
 
     cfg = stage_config(tmp_path, tiny_model_dir)
     train_dir = fake_train_stage(cfg, make_head(tiny_model))

@@ -14,12 +14,12 @@ from pathlib import Path
 from tests.test_train import EXPERIMENT, overrides, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
-HOLDER = str(REPO / "tests" / "lock_holder.py")
+HOLDER = ["-m", "tests.support.lock_holder"]  # run from the repository root (cwd=REPO)
 
 
 def hold(directory: Path, env: dict | None = None, launcher: list[str] | None = None, seconds: float = 120):
     """A process (or a torchrun job) holding the lock of `directory`; returns once every rank holds it."""
-    cmd = (launcher or [sys.executable]) + [HOLDER, str(directory), str(seconds)]
+    cmd = (launcher or [sys.executable]) + [*HOLDER, str(directory), str(seconds)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
     lines = [proc.stdout.readline() for _ in range(2 if launcher else 1)]
@@ -39,7 +39,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def try_lock(directory: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, HOLDER, str(directory), "0"], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *HOLDER, str(directory), "0"], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env={**os.environ, **env})
 
 

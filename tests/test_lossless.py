@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle_drafter import OracleDrafter
 from pipeline.decoding.decoder import generate, vanilla_generate
 from pipeline.decoding.drafter import EagleDrafter
 from pipeline.decoding.tree import TreeSpec
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig
+from tests.support.oracle_drafter import OracleDrafter
 
 N_NEW = 256
 QUESTIONS = [

@@ -4,16 +4,17 @@ stops it however the run ends; `auto` picks it for a GGUF target on CPU and HF g
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from pipeline.config import EagletConfig
 from pipeline.data.config import DataConfig
 from pipeline.manifest import load_manifest
@@ -61,18 +62,16 @@ def test_managed_server_regenerates_every_turn_and_stops(tmp_path, server_binary
 
 def test_a_killed_regen_takes_its_server_down(tmp_path, server_binary):
     """kill -9 skips regen's cleanup; the server still goes (the kernel signals it when its parent dies)."""
-    script = tmp_path / "child.py"
-    script.write_text(
-        "import sys, time\n"
-        f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
-        "from pathlib import Path\n"
-        "from test_regen_llamacpp import _cfg\n"
-        "from pipeline.regen import run\n"
-        "from pipeline.regen.openai_backend import OpenAIBackend\n"
-        "OpenAIBackend.complete = lambda self, request: time.sleep(3600)  # a request that never returns\n"
-        "run.main(_cfg(Path(sys.argv[1]), 'llamacpp'))\n")
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    script = ("import sys, time\n"
+              "from pathlib import Path\n"
+              "from test_regen_llamacpp import _cfg\n"
+              "from pipeline.regen import run\n"
+              "from pipeline.regen.openai_backend import OpenAIBackend\n"
+              "OpenAIBackend.complete = lambda self, request: time.sleep(3600)  # a request that never returns\n"
+              "run.main(_cfg(Path(sys.argv[1]), 'llamacpp'))\n")
+    tests_first = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": tests_first})
     log = tmp_path / "out" / "llamacpp-llamacpp" / "regen" / "llama-server.rank0.log"
     deadline, port = time.monotonic() + 120, None
     while port is None and time.monotonic() < deadline and child.poll() is None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from llama_cpp_check import describe_exit
 from pipeline.config import EagletConfig
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.config import DataConfig
@@ -26,6 +25,7 @@ from pipeline.regen.config import OpenAIBackendConfig, RegenConfig
 from pipeline.regen.openai_backend import OpenAIBackend, ServerUnavailable
 from pipeline.regen.shards import regen_sources
 from pipeline.target import TargetConfig, packaged_gguf
+from tools.llama_cpp_check import describe_exit
 
 N_CTX = 512
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from pipeline.config import EagletConfig
 from pipeline.data.config import DataConfig
 from pipeline.manifest import load_manifest
@@ -102,7 +103,6 @@ def test_unavailable_names_the_install_step(tmp_path):
 
 CHILD = """
 import json, sys, time
-sys.path.insert(0, {root!r})
 from pathlib import Path
 from pipeline.regen.managed_server import ManagedServer, process_tree
 
@@ -111,7 +111,7 @@ class Server(ManagedServer):  # a server with children of its own, as vLLM's API
 
     def __init__(self):
         super().__init__(Path(sys.argv[1]) / "server.log")
-        self._start(["sh", "-c", f"sleep 600 & exec {{sys.executable}} -m http.server {{self.port}} "
+        self._start(["sh", "-c", f"sleep 600 & exec {sys.executable} -m http.server {self.port} "
                      "--bind 127.0.0.1"], 30)
 
 server = Server()
@@ -123,9 +123,7 @@ time.sleep(600)
 def test_a_killed_regen_takes_the_whole_server_group_down(tmp_path):
     """kill -9 of regen: the kernel signals the launcher, which stops the server's whole process group; without
     it vLLM's EngineCore and Worker (3 GB) outlived their API server."""
-    script = tmp_path / "child.py"
-    script.write_text(CHILD.format(root=str(Path(__file__).parents[1])))
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=REPO)
     tree_file, deadline = tmp_path / "tree.json", time.monotonic() + 60
     while not tree_file.exists() and time.monotonic() < deadline and child.poll() is None:
         time.sleep(0.1)

@@ -11,7 +11,6 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache
 
-from conftest import build_tiny_llama
 from pipeline.decoding import verify
 from pipeline.decoding.decoder import generate, target_forward
 from pipeline.decoding.drafter import EagleDrafter
@@ -19,6 +18,7 @@ from pipeline.decoding.tree import DraftTree, TreeSpec, build_draft_tree
 from pipeline.decoding.verify import logits_to_probs
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig
+from tests.support.tiny import build_tiny_llama
 
 V = 32
 T = 0.5  # moderately peaked: a few tokens share most of the mass, so siblings are rejected often

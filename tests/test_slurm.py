@@ -1,4 +1,4 @@
-"""The Slurm launch path, for real: a local cluster (tests/slurm_cluster.py: munged, slurmctld, two emulated
+"""The Slurm launch path, for real: a local cluster (tests/support/slurm_cluster.py: munged, slurmctld, two emulated
 nodes on localhost) runs the project's own jobs/*.sbatch, chained by jobs/submit_chain.sh, on a tiny experiment.
 Regen and dump run one rank per node (each rank its own share), train is a two-node torchrun rendezvous (DDP
 through accelerate). During training the job is first told its time limit is near (the `--signal=B:USR1`
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import LocalSlurmCluster, missing_binaries, parse_record
+from tests.support.slurm_cluster import LocalSlurmCluster, missing_binaries, parse_record
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "jobs"

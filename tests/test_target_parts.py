@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from families import FAMILIES, build_family, build_padded_moe
 from pipeline.lock import first_writer_lock
 from pipeline.manifest import check_fingerprint, load_manifest
 from pipeline.target import (
@@ -23,6 +22,7 @@ from pipeline.target import (
     weights_digest,
 )
 from test_train import as_cli, build_tiny_dump, overrides
+from tests.support.families import FAMILIES, build_family, build_padded_moe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def test_files_digest_and_parts_equal_the_loaded_model_on_every_family(family, t
 
 
 def test_tied_bf16_and_sharded_checkpoints(tiny_tokenizer, tmp_path):
-    from conftest import build_tiny_llama
+    from tests.support.tiny import build_tiny_llama
 
     model = build_tiny_llama(len(tiny_tokenizer), seed=3)
     model.config.tie_word_embeddings = True

@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-from families import FAMILIES, build_family
 from pipeline.config import EagletConfig, WandbConfig
 from pipeline.data.chat import (
     ChatTemplateError,
@@ -29,6 +28,7 @@ from pipeline.manifest import ManifestError, load_manifest
 from pipeline.regen.config import RegenConfig
 from pipeline.target import TargetConfig, load_target
 from pipeline.train.config import TrainConfig
+from tests.support.families import FAMILIES, build_family
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

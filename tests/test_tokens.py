@@ -4,6 +4,7 @@ start together tokenize once."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,6 @@ def test_an_edited_source_makes_new_tokens(tmp_path, tiny_model_dir, shared_data
 RANK = """
 import sys
 from pathlib import Path
-sys.path.insert(0, "tests")
 from test_tokens import config
 from pipeline.hidden_states.tokens import tokenized_input
 from pipeline.target import load_target_parts
@@ -70,8 +70,10 @@ print("CACHED", tokenized_input(cfg, load_target_parts(cfg.target)).cached)
 
 
 def test_ranks_starting_together_tokenize_once(tmp_path, tiny_model_dir, shared_data):
+    tests_first = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": tests_first}  # RANK imports this module
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path), str(tiny_model_dir), str(shared_data)],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+                              cwd=REPO, stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sorted(o.split("CACHED")[-1].strip() for o in outs) == ["False", "True", "True"]

@@ -101,8 +101,8 @@ def as_config(d: dict) -> EagletConfig:
 def run_cli(d: dict, env: dict | None = None, timeout: int = 120, launcher: list[str] | None = None,
             fault: str | None = None):
     """`python -m pipeline.run` with `d` as overrides; `fault` ("<event>:<step>:<SIGNAL>") runs it through
-    tests/faulty_run.py, which signals the process at that point of training."""
-    entry = [str(Path(__file__).parent / "faulty_run.py"), fault] if fault else ["-m", "pipeline.run"]
+    tests/support/faulty_run.py, which signals the process at that point of training."""
+    entry = ["-m", "tests.support.faulty_run", fault] if fault else ["-m", "pipeline.run"]
     cmd = (launcher or [sys.executable]) + entry + as_cli(d)
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})

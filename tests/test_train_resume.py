@@ -3,8 +3,8 @@ the last complete checkpoint and repeats the uninterrupted run's per-step losses
 threads, same order of operations, so CPU results are in fact bitwise equal); SIGTERM checkpoints and exits
 with REQUEUE_EXIT_CODE.
 
-The interrupted runs are real `python -m pipeline.run` processes, started through tests/faulty_run.py: a trainer
-hook makes them SIGKILL or SIGTERM themselves at a chosen point, so the interruption is deterministic."""
+The interrupted runs are real `python -m pipeline.run` processes, started through tests/support/faulty_run.py: a
+trainer hook makes them SIGKILL or SIGTERM themselves at a chosen point, so the interruption is deterministic."""
 from __future__ import annotations
 
 import pytest

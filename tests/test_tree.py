@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import build_tiny_llama
 from pipeline.decoding.decoder import keep_accepted_kv, target_forward
 from pipeline.decoding.drafter import EagleDrafter
 from pipeline.decoding.tree import DraftTree, TreeSpec, build_draft_tree
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig
+from tests.support.tiny import build_tiny_llama
 
 V = 50
 

@@ -4,7 +4,7 @@ llama.cpp's `llama-server` serves the target's GGUF with `slots` parallel sequen
 regen talks to it through the `openai` backend with one conversation in flight per slot (waves.py's
 per-conversation schedule), so the slots stay full and a conversation's next turn reuses its slot's KV cache.
 `make llama-server` builds the binary (into eaglet's cache) from the llama.cpp that the pinned
-llama-cpp-python vendors, with its AMX kernels made safe by jobs/patch_llama_cpp.py.
+llama-cpp-python vendors, with its AMX kernels made safe by tools/patch_llama_cpp.py.
 Measured on 2 cores: docs/results/speed.md.
 """
 from __future__ import annotations

@@ -126,18 +126,13 @@ class TauProbe:
         return {"eval/tau": mean_accepted_tokens(accept_lengths), "eval/decode_s": time.perf_counter() - t0}
 
 
-# Hooks called as hook(event, step) at fixed points of the run (tests install fault injectors here; a profiler
-# or a custom logger could be one too):
+# A trainer hook, called as hook(event, step) at fixed points of the run (Trainer(hooks=...); a test's fault
+# injector, tests/support/faulty_run.py, is one; a profiler or a custom logger could be one too):
 #   "step_done"       step N's optimizer step is done, before anything is logged or saved
 #   "step_logged"     step N's metrics are written (a checkpoint at N, if any, comes after)
 #   "tau_decoding"    step N's real-tau decode starts (after step N's checkpoint)
 #   "checkpoint_written"  step N's checkpoint is complete in its temporary directory, not yet renamed
-TRAINER_HOOKS: list[Callable[[str, int], None]] = []
-
-
-def _announce(event: str, step: int) -> None:
-    for hook in TRAINER_HOOKS:
-        hook(event, step)
+TrainerHook = Callable[[str, int], None]
 
 
 class NonFiniteError(RuntimeError):
@@ -176,9 +171,12 @@ class StopForRequeue(SystemExit):
 class Trainer:
     def __init__(self, cfg: TrainConfig, par, objective: nn.Module, reader, train_idx: Sequence[int],
                  val_idx: Sequence[int], lengths: Sequence[int], train_dir: Path, metrics: MetricsLog,
-                 tau_probe: Optional[TauProbe] = None, identity: Optional[dict] = None):
-        """`identity`: what a checkpoint must have been trained on to be resumed here (dump digest, head...)."""
+                 tau_probe: Optional[TauProbe] = None, identity: Optional[dict] = None,
+                 hooks: Sequence[TrainerHook] = ()):
+        """`identity`: what a checkpoint must have been trained on to be resumed here (dump digest, head...);
+        `hooks`: called at the run's fixed points (TrainerHook)."""
         self.cfg, self.par, self.reader, self.identity = cfg, par, reader, identity or {}
+        self.hooks = tuple(hooks)
         self.train_idx, self.val_idx, self.lengths = list(train_idx), list(val_idx), lengths
         self.train_dir, self.metrics, self.tau_probe = Path(train_dir), metrics, tau_probe
         # Over the data split: a tensor-parallel group of ranks computes one rank's micro-batches (parallel.py).
@@ -207,6 +205,10 @@ class Trainer:
         self.model, self.optimizer = par.prepare(objective, optimizer)
         self.step = 0
         self.skipped = dict.fromkeys(SKIP_COUNTS, 0)  # under on_nonfinite=skip; checkpointed
+
+    def announce(self, event: str) -> None:
+        for hook in self.hooks:
+            hook(event, self.step)
 
     # -- data --------------------------------------------------------------------------------------------------
     def locate(self, step: int) -> tuple[int, int]:
@@ -344,7 +346,7 @@ class Trainer:
         without its record (killed during the decode, or stopped by a signal) decodes it first
         (_probe_if_missing): the checkpoint restores the RNG state of before the decode, so the resumed run's
         metrics equal an uninterrupted run's."""
-        _announce("tau_decoding", self.step)
+        self.announce("tau_decoding")
         if tau := self.real_tau():
             self.metrics.log(self.step, tau)
             log.info("step %d real tau %.3f (%.1f s)", self.step, tau["eval/tau"], tau["eval/decode_s"])
@@ -383,7 +385,7 @@ class Trainer:
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.train_dir, self.par, self.model, self.optimizer, self.scheduler,
                                     self.trainer_state(), self.cfg.keep_checkpoints,
-                                    before_rename=lambda: _announce("checkpoint_written", self.step))
+                                    before_rename=lambda: self.announce("checkpoint_written"))
 
     def resume(self) -> Optional[Path]:
         path = ckpt.latest_checkpoint(self.train_dir) if self.cfg.resume else None
@@ -424,14 +426,14 @@ class Trainer:
         with ckpt.StopRequest() as stop:
             while self.step < self.total_steps:
                 metrics = self.train_step()
-                _announce("step_done", self.step)
+                self.announce("step_done")
                 stopping = self.par.any(stop.requested)
                 done = self.step == self.total_steps
                 if done or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     metrics.update(self.validate())
                 # Logged before the checkpoint: a checkpoint at step N always has step N's record behind it.
                 self.metrics.log(self.step, metrics)
-                _announce("step_logged", self.step)
+                self.announce("step_logged")
                 if self.par.is_main and (self.step % max(cfg.log_every, 1) == 0 or done or self.step == 1):
                     log.info("step %d/%d %s", self.step, self.total_steps, _fmt(metrics))
                 if done or stopping or self.probe_due(self.step):

@@ -16,6 +16,7 @@ import logging
 import random
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from pipeline.target import head_target, load_target, load_target_parts
 from . import checkpoint as ckpt
 from .config import TrainSource
 from .data import prompt_of, split_train_val, subsample, truncated_lengths
-from .loop import TauProbe, Trainer, build_objective
+from .loop import TauProbe, Trainer, TrainerHook, build_objective
 from .metrics import CURVES_FILE, MetricsLog, plot_curves
 from .online import OnlineRows
 from .parallel import Parallel
@@ -49,18 +50,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def main(cfg) -> dict:
-    """Trains `cfg.head` on this experiment's dump (or online). Returns the final metrics (main rank)."""
+def main(cfg, hooks: Sequence[TrainerHook] = ()) -> dict:
+    """Trains `cfg.head` on this experiment's dump (or online). Returns the final metrics (main rank). `hooks`
+    go to the Trainer (loop.TrainerHook)."""
     # Online, a tensor-parallel group of ranks computes one rank's micro-batches (target.tensor_parallel).
     online = cfg.train.source == TrainSource.online
     par = Parallel(cfg.train, tensor_parallel=cfg.target.tensor_parallel if online else 1)
     try:
-        return train(cfg, par)
+        return train(cfg, par, hooks)
     finally:
         par.end()
 
 
-def train(cfg, par: Parallel) -> dict:
+def train(cfg, par: Parallel, hooks: Sequence[TrainerHook] = ()) -> dict:
     t0 = time.perf_counter()
     train_dir, dump_dir = cfg.stage_dir("train"), cfg.stage_dir("dump")
     tcfg, hcfg = cfg.train, cfg.head
@@ -100,7 +102,7 @@ def train(cfg, par: Parallel) -> dict:
     metrics = MetricsLog(train_dir, enabled=par.is_main, wandb_cfg=cfg.wandb, wandb_config=wandb_config,
                          run_name=f"{cfg.name}-{hcfg.name}")
     trainer = Trainer(tcfg, par, objective, reader, train_idx, val_idx, lengths, train_dir, metrics, tau_probe,
-                      identity)
+                      identity, hooks)
     log.info("training %s (%s): %d steps (epochs of %s steps; %d micro-batches x %d processes each), %s on %s",
              hcfg.name, hcfg.kind, trainer.total_steps, trainer.epoch_steps, tcfg.grad_accum, par.world_size,
              par.mixed_precision, par.device)

@@ -7,7 +7,7 @@ described in upstream llama.cpp PR #26954). A compiler barrier that takes the co
 the stores. With it the AMX kernels work on AMX CPUs: prompt processing of the SmolLM2 GGUF measured 4.8x
 faster than the build without them (llama-batched-bench, 2 cores).
 
-    python jobs/patch_llama_cpp.py <llama.cpp source dir>      # idempotent
+    python -m tools.patch_llama_cpp <llama.cpp source dir>      # idempotent, from the repository root
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The device side of the GPU kit: run on the lent machine by `bash bench/gpu/device.sh <call>` (see kit.py).
+"""The device side of the GPU kit: run on the lent machine by `bash tools/gpu/device.sh <call>` (see kit.py).
 
 Each call is a list of phases. A phase is one command with its own time budget; its status, wall time and
 figures go into $OUT/results.json as soon as it ends, so a call stopped at its limit still returns what
@@ -22,11 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.gpu import kitfiles  # parts, wheels and limits shared with kit.py
 
-import kitfiles  # noqa: E402  (bench/gpu/kitfiles.py: parts, wheels and limits shared with kit.py)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -144,7 +142,7 @@ class Run:
 
     def do_bf16_ties(self, budget):
         out = self.stash / "ties.json"
-        self.sh([sys.executable, str(Path(__file__).with_name("checks.py")), "--device", self.profile.device,
+        self.sh([sys.executable, "-m", "tools.gpu.checks", "--device", self.profile.device,
                  "--out", str(out)], budget)
         return json.loads(out.read_text())
 
@@ -201,7 +199,7 @@ class Run:
 
     def do_tree_cost(self, budget):
         out = self.stash / "tree_cost.json"
-        self.sh([sys.executable, str(Path(__file__).with_name("checks.py")), "--device", self.profile.device,
+        self.sh([sys.executable, "-m", "tools.gpu.checks", "--device", self.profile.device,
                  "--tree-cost", "--out", str(out), *(["--target", self.target] if self.target else [])], budget)
         return json.loads(out.read_text())
 

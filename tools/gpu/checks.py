@@ -3,7 +3,7 @@
 --ties: bf16 tree decoding against bf16 vanilla decoding on a seeded tiny Llama. A tree forward and a one-token
   forward round differently in bf16, so the two may part; where they do, the margin between vanilla's token
   and the tree decoder's at the first differing position is checked against the rounding bound derived in
-  tests/bf16_ties.py: a divergence inside it is a numerical tie, one outside it is a bug.
+  tests/support/bf16_ties.py: a divergence inside it is a numerical tie, one outside it is a bug.
 --tree-cost: the verification forward's wall time by tree size on the target (autotree.verify_costs, what
   eval's tree.total_tokens=-1 measures).
 """
@@ -14,18 +14,13 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
-
-import torch  # noqa: E402
+import torch
 
 
 def ties(device: str, prompts: int = 6, new_tokens: int = 96) -> dict:
-    """The suite's tie criterion (tests/bf16_ties.py), on this device."""
-    import bf16_ties
-    from conftest import build_tiny_llama, build_tiny_tokenizer
+    """The suite's tie criterion (tests/support/bf16_ties.py), on this device."""
+    from tests.support import bf16_ties
+    from tests.support.tiny import build_tiny_llama, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     model = build_tiny_llama(len(tok)).to(device=device, dtype=torch.bfloat16).eval()

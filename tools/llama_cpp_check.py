@@ -6,7 +6,7 @@ prompt: llama.cpp's AMX kernels compiled by GCC 12 load an empty tile configurat
 are dead-store-eliminated before `ldtilecfg`), and the first tile instruction raises SIGILL. So the check is
 a real multi-token chat completion at temperature 0, in a child process, reporting how the child died.
 
-    python tests/llama_cpp_check.py        # exit 0: works; 1: not installed, dies, or answers nothing
+    python -m tools.llama_cpp_check        # exit 0: works; 1: not installed, dies, or answers nothing
 """
 from __future__ import annotations
 

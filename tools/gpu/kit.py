@@ -1,8 +1,10 @@
 """The GPU kit: what one lent H200 session needs, built here so the first device call works.
 
-    python bench/gpu/kit.py prepare      # build .gpukit/ (ignored) and print the two `run` calls
-    python bench/gpu/kit.py --dry-run    # prepare, check every device limit, run both calls here on CPU
-    python bench/gpu/kit.py join DIR     # after call 2: DIR's head parts -> an export folder, checked
+    python -m tools.gpu.kit prepare      # build .gpukit/ (ignored) and print the two `run` calls
+    python -m tools.gpu.kit --dry-run    # prepare, check every device limit, run both calls here on CPU
+    python -m tools.gpu.kit join DIR     # after call 2: DIR's head parts -> an export folder, checked
+
+(from the repository root, as every tool and bench runs).
 
 The lent machine reaches no registry and has torch and transformers but not hydra-core, omegaconf, gguf
 (or datasets, wandb, deepspeed, submitit, which the GPU path imports lazily and never needs there). Per call
@@ -15,7 +17,7 @@ at most 64 MiB travel and 8 files of at most 16 MiB come back; the whole lease i
 - the quality experiment's prompts travel extracted and gzipped (the checkout's ../shared does not travel);
 - call 1 (at most 3 minutes) runs what needs no GGUF; call 2 (at most 7 minutes, started right after so the
   machine is still warm) the demo chain on CUDA and a GPU-scale quality run; every phase has a budget and
-  writes its results as it ends (bench/gpu/device.py), and the trained head comes back split under 16 MiB.
+  writes its results as it ends (tools/gpu/device.py), and the trained head comes back split under 16 MiB.
 """
 from __future__ import annotations
 
@@ -30,13 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE))
+from tools.gpu import kitfiles
 
-import kitfiles  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / ".gpukit"
 MISSING_ON_DEVICE = ["hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf"]
 # What the device lacks and the GPU path must never import (lazy imports only): the dry run hides these
@@ -96,7 +94,7 @@ def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data"
     plan = {"conversations": len(conversations), "working_tree_bytes": tree, "calls": {}}
     for n, folder in calls.items():
         carried = kitfiles.tree_bytes(folder)
-        plan["calls"][n] = {"command": f"bash bench/gpu/device.sh {n}", "carry": [str(folder.relative_to(REPO))],
+        plan["calls"][n] = {"command": f"bash tools/gpu/device.sh {n}", "carry": [str(folder.relative_to(REPO))],
                             "timeout_s": CALL_TIMEOUT_S[n], "carried_bytes": carried, "bytes": tree + carried}
     kitfiles.atomic_json(kit / "plan.json", plan)
     return plan
@@ -107,12 +105,12 @@ def print_plan(plan: dict) -> None:
     for n, call in plan["calls"].items():
         print(f"call {n}: run(command={call['command']!r}, carry={call['carry']}, timeout_s={call['timeout_s']})"
               f"  # {call['bytes']:,} B travel")
-    print("then: give_back; python bench/gpu/kit.py join /work/.device/<files_at>/head; figures in results1.json and "
-          "results2.json (docs/results.md, GPU)")
+    print("then: give_back; python -m tools.gpu.kit join /work/.device/<files_at>/head; figures in results1.json and "
+          "results2.json (docs/results/methods.md, 'On a GPU')")
 
 
 def limit_violations(plan: dict) -> list[str]:
-    from device import CALL_PHASES, PROFILES
+    from tools.gpu.device import CALL_PHASES, PROFILES
 
     problems = []
     for n, call in plan["calls"].items():
@@ -140,8 +138,7 @@ def dry_run(keep: Path | None = None) -> int:
     print_plan(plan)
     problems = limit_violations(plan)
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="eaglet-kit-dry-"))
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import build_tiny_llama, build_tiny_tokenizer
+    from tests.support.tiny import build_tiny_llama, build_tiny_tokenizer
 
     tiny = work / "tiny_target"
     tok = build_tiny_tokenizer()
@@ -156,7 +153,7 @@ def dry_run(keep: Path | None = None) -> int:
     results = {}
     for n in (1, 2):
         out = work / f"out{n}"
-        cmd = [sys.executable, str(HERE / "device.py"), str(n), "--profile", "dryrun", "--out", str(out),
+        cmd = [sys.executable, "-m", "tools.gpu.device", str(n), "--profile", "dryrun", "--out", str(out),
                "--stash", str(stash), "--carried", str(KIT / f"call{n}"), "--target", str(tiny)]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,

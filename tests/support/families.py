@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from conftest import build_tiny_tokenizer
+from tests.support.tiny import build_tiny_tokenizer
 
 # ChatML (Qwen 2/2.5/3): <|im_start|>role\n ... <|im_end|>\n; Qwen 2.5 inserts a default system message.
 QWEN2_TEMPLATE = (

@@ -1,5 +1,5 @@
 """The bf16 tie criterion: tree decoding against vanilla decoding with a bf16 target (test_bf16_ties.py, and the
-GPU kit's device check, bench/gpu/checks.py).
+GPU kit's device check, tools/gpu/checks.py).
 
 In bf16 the two cannot be promised equal token for token: the verification forward computes a position inside a
 block of tree tokens, vanilla decoding computes it alone, and the two round differently. At the first position
@@ -72,7 +72,7 @@ def prompts(tokenizer, n: int = len(QUESTIONS)) -> list[list[int]]:
 def oracle(vocab_size: int):
     """Drafts from the vanilla continuation, missing 10% of the time (any drafter would do: the verifier
     decides what is emitted)."""
-    from oracle_drafter import OracleDrafter
+    from tests.support.oracle_drafter import OracleDrafter
 
     return lambda reference, i: OracleDrafter(reference, vocab_size, miss_rate=0.1, seed=i)
 
