@@ -157,6 +157,10 @@ class RegenConfig:
     thinking: ThinkingMode = ThinkingMode.template
     # A directory holding a different run (input, plan, generation settings, target) is refused unless set.
     overwrite: bool = False
+    # A folder of this run's regenerated answers that outlives the machine (pipeline/regen/answer_store.py):
+    # what it holds is restored before the run, and it is saved again when the run ends however it ends. Small
+    # and prompt-free: commit it to carry a long regen across machines.
+    answer_store: Optional[str] = None
     # The run stops (one line; everything finished is kept) when more than max_failure_rate x failure_window of
     # the last failure_window conversations failed: a server outage stops it early instead of asking every
     # conversation in vain. Conversations that failed transiently stay pending, and a rerun asks exactly them.

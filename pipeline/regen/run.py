@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Optional
 
 from tqdm.auto import tqdm
@@ -21,7 +22,7 @@ from pipeline.data.readers import read_sources
 from pipeline.dist import RankInfo, rank_info, shard_for_rank
 from pipeline.lock import first_writer_lock
 from pipeline.manifest import FINGERPRINT_KEYS, write_manifest
-from pipeline.regen import backends
+from pipeline.regen import answer_store, backends
 from pipeline.regen.batching import Plan, RegenItem, make_plan, to_items
 from pipeline.regen.config import RegenConfig
 from pipeline.regen.shards import RegenDir, sum_stats
@@ -66,6 +67,18 @@ def _run(cfg, info: RankInfo, items: list[RegenItem], report: BadRecordReport, b
     resumed = out.claim(identity, rcfg.overwrite, single_rank=info.world_size == 1)
     if info.world_size == 1:
         out.remove_stale_tmp()
+    if rcfg.answer_store:
+        resumed |= answer_store.restore(out, identity, plan, items, Path(rcfg.answer_store)) > 0
+        try:
+            return _run_claimed(cfg, info, items, report, backend, fingerprint, generation, t0, plan, out, resumed)
+        finally:  # a stopped, failing or finished run leaves the store as far as the folder got
+            answer_store.save(out.root, Path(rcfg.answer_store))
+    return _run_claimed(cfg, info, items, report, backend, fingerprint, generation, t0, plan, out, resumed)
+
+
+def _run_claimed(cfg, info: RankInfo, items: list[RegenItem], report: BadRecordReport, backend, fingerprint: dict,
+                 generation: dict, t0: float, plan: Plan, out: RegenDir, resumed: bool) -> Optional[dict]:
+    rcfg = cfg.regen
     log.info("regen rank %d/%d (%s): %d conversations, %d batches, %d shards -> %s%s", info.rank, info.world_size,
              generation["backend"], len(items), plan.n_batches, plan.n_shards, out.root,
              " (resuming)" if resumed else "")
