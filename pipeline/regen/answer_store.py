@@ -22,7 +22,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 from pipeline.files import atomic_file, atomic_write_text
 
@@ -127,9 +127,11 @@ def _text(records: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
-def restore(out: RegenDir, identity: dict, plan: Plan, items: list[RegenItem], store_dir: Path) -> int:
+def restore(out: RegenDir, identity: dict, plan: Plan, items: list[RegenItem], store_dir: Path,
+            shards: Optional[Iterable[int]] = None) -> int:
     """Writes into `out` what the store holds and `out` lacks (finished shards, saved batches, journaled
-    conversations) for the run `identity`. Returns the number of conversations restored."""
+    conversations) for the run `identity`, of `shards` only (a rank's; None: all). Returns the number of
+    conversations restored."""
     store_dir = Path(store_dir)
     if not (store_dir / META).exists():
         log.info("regen.answer_store=%s: nothing stored yet", store_dir)
@@ -144,10 +146,12 @@ def restore(out: RegenDir, identity: dict, plan: Plan, items: list[RegenItem], s
                               f"stored {json.dumps({k: theirs.get(k) for k in diff}, sort_keys=True)}, this run "
                               f"{json.dumps({k: identity.get(k) for k in diff}, sort_keys=True)}")
     by_id = {it.id: it for it in items}
+    mine = set(range(plan.n_shards) if shards is None else shards)
+    my_batches = {b for s in mine for b in plan.shard_batches(s)}
     restored = 0
     for key, stored in sorted(meta["shards"].items(), key=lambda kv: int(kv[0])):
         shard = int(key)
-        if out.shard_done(shard):
+        if shard not in mine or out.shard_done(shard):
             continue
         text = _text(_records(units.get(("shard", shard), []), by_id, f"{store_dir} shard {shard}"))
         if hashlib.sha256(text.encode()).hexdigest() != stored["marker"]["sha256"]:
@@ -163,13 +167,13 @@ def restore(out: RegenDir, identity: dict, plan: Plan, items: list[RegenItem], s
     done_batches = {b for s in range(plan.n_shards) if out.shard_done(s) for b in plan.shard_batches(s)}
     for key, stored in meta["batches"].items():
         batch = int(key)
-        if batch in done_batches or out.batch_path(batch).exists():
+        if batch not in my_batches or batch in done_batches or out.batch_path(batch).exists():
             continue
         records = _records(units.get(("batch", batch), []), by_id, f"{store_dir} batch {batch}")
         out.save_batch(batch, BatchResult(records, stored["failures"], stored["stats"]))
         restored += len(records)
     for (where, batch), entries in units.items():
-        if where != "journal" or batch in done_batches or out.batch_path(batch).exists():
+        if where != "journal" or batch not in my_batches or batch in done_batches or out.batch_path(batch).exists():
             continue
         journal = ConversationJournal(out.journal_path(batch), [items[i].id for i in plan.batches[batch]])
         have, _ = journal.load()

@@ -68,7 +68,8 @@ def _run(cfg, info: RankInfo, items: list[RegenItem], report: BadRecordReport, b
     if info.world_size == 1:
         out.remove_stale_tmp()
     if rcfg.answer_store:
-        resumed |= answer_store.restore(out, identity, plan, items, Path(rcfg.answer_store)) > 0
+        resumed |= answer_store.restore(out, identity, plan, items, Path(rcfg.answer_store),
+                                        shards=shard_for_rank(plan.n_shards, info)) > 0
         try:
             return _run_claimed(cfg, info, items, report, backend, fingerprint, generation, t0, plan, out, resumed)
         finally:  # a stopped, failing or finished run leaves the store as far as the folder got
