@@ -250,6 +250,7 @@ class TrainManifest(StageManifest):
     thinking: Optional[str] = None
     final_metrics: dict = dataclasses.field(default_factory=dict)
     head_files: Optional[dict] = None  # None: a head trained before the digests were recorded (loads unchecked)
+    selected: Optional[dict] = None  # train.select=tau: the step and tau of the head final/ holds
 
 
 @dataclasses.dataclass

@@ -25,6 +25,13 @@ class MixedPrecision(Choice):
     bf16 = "bf16"
 
 
+class Select(Choice):
+    last = "last"  # final/ is the last step's head
+    # final/ is the checkpoint whose decoded tau (the tau probe, tau_prompts) was best, kept in best/ meanwhile:
+    # tau can turn down while the loss still falls.
+    tau = "tau"
+
+
 class OnNonFinite(Choice):
     fail = "fail"
     skip = "skip"
@@ -60,6 +67,9 @@ class TrainConfig:
     log_every: int = 10  # console lines; metrics.jsonl and W&B get every step
     tau_prompts: int = 2  # validation prompts decoded with the real tree decoder at each checkpoint
     tau_max_new_tokens: int = 48
+    select: Select = Select.last  # which head becomes final/: the last, or the best by decoded tau
+    # select=tau: stop once this many probes in a row decoded no better tau than the best (None: train on).
+    patience: Optional[int] = None
     plot: bool = True  # curves.png in the train dir at the end
     mixed_precision: MixedPrecision = MixedPrecision.auto
     # A DeepSpeed JSON (e.g. conf/deepspeed/zero2.json); GPU only. Model code stays single-device either way.
@@ -77,6 +87,12 @@ class TrainConfig:
         self.schedule = Schedule.parse(self.schedule, "train.schedule")
         self.mixed_precision = MixedPrecision.parse(self.mixed_precision, "train.mixed_precision")
         self.on_nonfinite = OnNonFinite.parse(self.on_nonfinite, "train.on_nonfinite")
+        self.select = Select.parse(self.select, "train.select")
+        if self.select == Select.tau and self.tau_prompts < 1:
+            raise ValueError("train.select=tau chooses by the decoded tau: it needs train.tau_prompts >= 1")
+        if self.patience is not None and (self.select != Select.tau or self.patience < 1):
+            raise ValueError("train.patience counts tau probes without a gain: it needs train.select=tau and a "
+                             "value >= 1")
         if self.on_nonfinite == OnNonFinite.skip and self.deepspeed_config:
             raise ValueError("train.on_nonfinite=skip cannot be combined with train.deepspeed_config: DeepSpeed "
                              "applies the step inside backward, before a non-finite gradient can be skipped "

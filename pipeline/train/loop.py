@@ -8,6 +8,7 @@ scheduler and RNG states exactly, so a resumed run repeats the uninterrupted run
 processes with grad_accum=g/N repeat one process with grad_accum=g (same micro-batches per step)."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -19,10 +20,12 @@ import torch
 from torch import nn
 
 from pipeline.decoding.tree import TreeSpec
+from pipeline.files import atomic_dir
 from pipeline.heads import HeadConfig, head_spec
+from pipeline.heads.io import save_head
 
 from . import checkpoint as ckpt
-from .config import TrainConfig
+from .config import Select, TrainConfig
 from .data import Batch, StepSchedule, collate, epoch_batches, eval_batches
 from .metrics import MetricsLog, add_stats, derive, reduce_stats
 
@@ -141,6 +144,7 @@ class NonFiniteError(RuntimeError):
 
 # What on_nonfinite=skip leaves out, counted in the metrics (train/skipped_*), checkpoints and the manifest.
 SKIP_COUNTS = ("nonfinite_rows", "nonfinite_steps")
+BEST, SELECTED = "best", "selected.json"  # train.select=tau: the best head so far, and its {step, tau}
 
 
 def nonfinite_rows(batch: Batch) -> list[int]:
@@ -350,6 +354,46 @@ class Trainer:
         if tau := self.real_tau():
             self.metrics.log(self.step, tau)
             log.info("step %d real tau %.3f (%.1f s)", self.step, tau["eval/tau"], tau["eval/decode_s"])
+        if self.cfg.select == Select.tau:
+            self.keep_best()
+
+    # -- train.select=tau -----------------------------------------------------------------------------------------
+    def tau_record(self) -> tuple[Optional[dict], int]:
+        """From metrics.jsonl (main rank): the best decoded tau so far ({step, tau}, the earliest on a tie) and
+        how many probes came after it."""
+        from .metrics import read_metrics
+
+        probes = [(r["step"], r["eval/tau"]) for r in read_metrics(self.metrics.path) if "eval/tau" in r]
+        if not probes:
+            return None, 0
+        i = max(range(len(probes)), key=lambda k: (probes[k][1], -k))
+        return {"step": probes[i][0], "tau": probes[i][1]}, len(probes) - 1 - i
+
+    def keep_best(self) -> None:
+        """best/ holds the head of the best tau so far: written when this step's probe is the best (or when a
+        kill came between the probe's record and best/, on resume at that checkpoint)."""
+        if not self.par.is_main:
+            return
+        best, _ = self.tau_record()
+        path = self.train_dir / BEST
+        kept = json.loads((path / SELECTED).read_text()) if (path / SELECTED).exists() else None
+        if best is None or kept == best:
+            return
+        if best["step"] != self.step:
+            log.warning("best/ holds %s, the metrics say %s: a later probe will replace it", kept, best)
+            return
+        with atomic_dir(path) as tmp:
+            save_head(self.par.unwrap(self.model).head, tmp)
+            (tmp / SELECTED).write_text(json.dumps(best) + "\n")
+        log.info("step %d: best tau so far (%.3f): head kept in %s", self.step, best["tau"], path)
+
+    def patience_spent(self) -> bool:
+        """train.patience probes in a row without a better tau (agreed by every rank)."""
+        spent = False
+        if self.cfg.patience is not None and self.par.is_main:
+            best, since = self.tau_record()
+            spent = best is not None and since >= self.cfg.patience
+        return self.par.any(spent)
 
     def _probe_if_missing(self) -> None:
         """A kill during a checkpoint step's decode, or a stop request at that step, left its checkpoint without
@@ -421,10 +465,13 @@ class Trainer:
         self.metrics.open(resume_step=self.step)
         if last_saved is not None:
             self._probe_if_missing()
+            if self.cfg.select == Select.tau:
+                self.keep_best()
+        stopped_early = last_saved is not None and self.patience_spent()  # a rerun of a run that stopped early
         if self.step == 0:  # step-0 reference of the validation curves (no decode: an untrained head's tau is ~1)
             self.metrics.log(0, self.validate())
         with ckpt.StopRequest() as stop:
-            while self.step < self.total_steps:
+            while self.step < self.total_steps and not stopped_early:
                 metrics = self.train_step()
                 self.announce("step_done")
                 stopping = self.par.any(stop.requested)
@@ -441,6 +488,10 @@ class Trainer:
                     last_saved = self.step
                     if not stopping:  # a stop request exits fast; the resumed run decodes (_probe_if_missing)
                         self.log_real_tau()
+                        stopped_early = self.patience_spent()
+                        if stopped_early:
+                            log.info("step %d: %d tau probes without a gain (train.patience): stopping early",
+                                     self.step, self.cfg.patience)
                 if stopping:
                     log.warning("stopped at step %d (checkpoint saved); exiting with %d for requeue",
                                 self.step, ckpt.REQUEUE_EXIT_CODE)

@@ -6,14 +6,17 @@ Reads the dump (`outputs/<exp>/dump`), or with `train.source=online` what the du
 output, or the data sources under dump.input=data) and computes the states in the job (online.py). Writes
 `outputs/<exp>/train/<head.name>/`:
     checkpoints/step-N/   resumable state (see checkpoint.py); rerunning the command resumes from the last
-    final/                model.safetensors + head_config.json (with d2t/t2d): load with pipeline.heads.io.load_head
+    final/                model.safetensors + head_config.json (with d2t/t2d): load with pipeline.heads.io.load_head;
+                          with train.select=tau the best-tau checkpoint's head (kept in best/ during the run)
     metrics.jsonl         every step's metrics; curves.png at the end; manifest.json when complete
 A SIGTERM/SIGUSR1 checkpoints and exits with checkpoint.REQUEUE_EXIT_CODE (75)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -26,7 +29,7 @@ from pipeline.dist import rank_info, target_layout
 from pipeline.files import atomic_dir, sha256_file
 from pipeline.heads import DraftHeadConfig, build_draft_head, head_spec
 from pipeline.heads.config import LmHeadInit
-from pipeline.heads.io import FINAL, save_head
+from pipeline.heads.io import FINAL, HEAD_CONFIG, HEAD_WEIGHTS, save_head
 from pipeline.heads.vocab import build_draft_vocab
 from pipeline.hidden_states.reader import REPAIR, DumpReader, verify_shards
 from pipeline.manifest import MANIFEST, ManifestError, file_digests, to_plain, write_manifest
@@ -34,9 +37,9 @@ from pipeline.precision import dtype_name
 from pipeline.target import head_target, load_target, load_target_parts
 
 from . import checkpoint as ckpt
-from .config import TrainSource
+from .config import Select, TrainSource
 from .data import prompt_of, split_train_val, subsample, truncated_lengths
-from .loop import TauProbe, Trainer, TrainerHook, build_objective
+from .loop import BEST, SELECTED, TauProbe, Trainer, TrainerHook, build_objective
 from .metrics import CURVES_FILE, MetricsLog, plot_curves
 from .online import OnlineRows
 from .parallel import Parallel
@@ -190,8 +193,17 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
            final_metrics: dict, t0: float) -> None:
     """final/ head, curves.png and the manifest (main rank)."""
     final_dir = train_dir / FINAL
+    selected = None
     with atomic_dir(final_dir) as tmp:
-        save_head(trainer.par.unwrap(trainer.model).head, tmp)
+        best = train_dir / BEST
+        if cfg.train.select == Select.tau and (best / SELECTED).exists():  # the best-tau head, not the last
+            selected = {**json.loads((best / SELECTED).read_text()), "last_step": trainer.step}
+            for name in (HEAD_WEIGHTS, HEAD_CONFIG):
+                shutil.copyfile(best / name, tmp / name)
+            log.info("train.select=tau: final/ is step %d's head (tau %.3f), not step %d's", selected["step"],
+                     selected["tau"], trainer.step)
+        else:
+            save_head(trainer.par.unwrap(trainer.model).head, tmp)
     if cfg.train.plot:
         plot_curves(train_dir / "metrics.jsonl", train_dir / CURVES_FILE,
                     title=f"{cfg.name} / {cfg.head.name} ({cfg.head.kind})")
@@ -203,6 +215,6 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
         timings={"total_s": time.perf_counter() - t0}, inputs=inputs, source=str(cfg.train.source),
         target=target.fingerprint, precision=trainer.par.precision, head_config=head.config.to_dict(),
         thinking=cfg.regen.thinking,  # the template mode of its rows: eval renders with it
-        final_metrics=final_metrics, head_files=file_digests(final_dir))
+        final_metrics=final_metrics, head_files=file_digests(final_dir), selected=selected)
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
                                                      if k in ("val/loss", "val/sim_tau", "eval/tau")})

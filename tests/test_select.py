@@ -1,0 +1,50 @@
+"""train.select=tau (pipeline/train/loop.py): the checkpoint with the best decoded tau becomes final/, not the
+last one (tau can turn down while the loss still falls), and train.patience stops the run after that many tau
+probes without a gain; a rerun of the stopped run trains no further. The probe's taus are scripted here, so the
+choice is known; each probe's head is copied to check that final/ is that step's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.heads.io import head_state
+from pipeline.train.config import TrainConfig
+from pipeline.train.loop import TauProbe
+from pipeline.train.run import main
+from test_train import as_config, dump_root, overrides  # noqa: F401  (dump_root: the fixture)
+
+TAUS = [1.1, 1.3, 1.2, 1.25, 1.5, 1.6, 1.7]  # best at the 2nd probe; patience 2 stops at the 4th
+
+
+def test_the_best_tau_checkpoint_becomes_final_and_patience_stops_the_run(dump_root, tiny_model_dir,  # noqa: F811
+                                                                          monkeypatch):
+    probes = []
+
+    def scripted(self, head):
+        probes.append(head_state(head))
+        return {"eval/tau": TAUS[len(probes) - 1], "eval/decode_s": 0.0}
+
+    monkeypatch.setattr(TauProbe, "__call__", scripted)
+    d = overrides(dump_root, tiny_model_dir, "eagle3", "select", save_every=2, tau_prompts=1, select="tau",
+                  patience=2)
+    cfg = as_config(d)
+    main(cfg)
+    train_dir = cfg.stage_dir("train")
+    manifest = json.loads((train_dir / "manifest.json").read_text())
+    assert len(probes) == 4 and manifest["counts"]["steps"] == 8  # probes at steps 2, 4, 6, 8; 14 planned
+    assert manifest["selected"] == {"step": 4, "tau": 1.3, "last_step": 8}
+    final = load_file(str(train_dir / "final" / "model.safetensors"))
+    assert final.keys() == probes[1].keys() and all(torch.equal(final[k], probes[1][k]) for k in final)
+    assert not all(torch.equal(final[k], probes[3][k]) for k in final)  # not the last head
+    main(cfg)  # the rerun: patience was spent, nothing more is trained or decoded
+    assert len(probes) == 4 and json.loads((train_dir / "manifest.json").read_text())["counts"]["steps"] == 8
+
+
+def test_select_tau_needs_the_probe_and_patience_needs_select_tau():
+    with pytest.raises(ValueError, match="needs train.tau_prompts >= 1"):
+        TrainConfig(select="tau", tau_prompts=0)
+    with pytest.raises(ValueError, match="needs train.select=tau"):
+        TrainConfig(patience=2)
