@@ -27,7 +27,7 @@ from typing import Iterable, Iterator, Optional
 from pipeline.files import atomic_file, atomic_write_text
 
 from .batching import Plan, RegenItem
-from .shards import ConversationJournal, RegenDir, RegenStateError
+from .shards import ConversationJournal, RegenDir, RegenStateError, shard_text
 from .waves import Answer, BatchResult, to_sharegpt
 
 log = logging.getLogger(__name__)
@@ -123,10 +123,6 @@ def _records(entries: list[dict], items: dict[str, RegenItem], where: str) -> li
     return records
 
 
-def _text(records: list[dict]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-
-
 def restore(out: RegenDir, identity: dict, plan: Plan, items: list[RegenItem], store_dir: Path,
             shards: Optional[Iterable[int]] = None) -> int:
     """Writes into `out` what the store holds and `out` lacks (finished shards, saved batches, journaled
@@ -153,14 +149,14 @@ def restore(out: RegenDir, identity: dict, plan: Plan, items: list[RegenItem], s
         shard = int(key)
         if shard not in mine or out.shard_done(shard):
             continue
-        text = _text(_records(units.get(("shard", shard), []), by_id, f"{store_dir} shard {shard}"))
+        text = shard_text(_records(units.get(("shard", shard), []), by_id, f"{store_dir} shard {shard}"))
         if hashlib.sha256(text.encode()).hexdigest() != stored["marker"]["sha256"]:
             raise RegenStateError(f"{store_dir}: shard {shard} rebuilt from the sources and the stored answers "
                                   f"differs from the one saved (sha256): the sources changed; remove {store_dir} "
                                   f"to regenerate")
         atomic_write_text(out.shard_path(shard), text)
         if stored["errors"]:
-            atomic_write_text(out.error_path(shard), _text(stored["errors"]))
+            atomic_write_text(out.error_path(shard), shard_text(stored["errors"]))
         atomic_write_text(out.done_path(shard), json.dumps(stored["marker"], indent=1, sort_keys=True) + "\n")
         out.drop_batches(plan.shard_batches(shard))
         restored += stored["marker"]["conversations"]

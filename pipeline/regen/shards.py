@@ -126,11 +126,10 @@ class RegenDir:
     def finish_shard(self, shard: int, batches: range, results: list[BatchResult], rank: int) -> dict:
         records = [r for res in results for r in res.records]
         failures = [f for res in results for f in res.failures]
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        text = shard_text(records)
         atomic_write_text(self.shard_path(shard), text)
         if failures:
-            lines = "".join(json.dumps(f, ensure_ascii=False) + "\n" for f in failures)
-            atomic_write_text(self.error_path(shard), lines)
+            atomic_write_text(self.error_path(shard), shard_text(failures))
         else:
             self.error_path(shard).unlink(missing_ok=True)  # left by an earlier, failed attempt
         marker = {
@@ -208,6 +207,12 @@ class ConversationJournal:
                 f.write(line)
                 f.flush()
                 os.fsync(f.fileno())
+
+
+def shard_text(records: list[dict]) -> str:
+    """A shard's (or its error file's) bytes: one JSON line per record. The shard's sha256 is its done-marker's,
+    checked by readers and by a restore from an answer store."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
 def sum_stats(stats: list[dict]) -> dict:
