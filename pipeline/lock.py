@@ -1,35 +1,63 @@
-"""One writer per output folder: a stage holds an exclusive `flock` on `<stage dir>/.eaglet-lock.rank<R>`
-while it runs, so a second run of the same stage into the same folder is refused at once, with a message
-naming the running one, instead of two processes interleaving shards, checkpoints or manifests.
+"""One writer per output folder: a stage holds an exclusive lock on `<stage dir>/.eaglet-lock.rank<R>` while
+it runs, so a second run of the same stage into the same folder is refused at once, with a message naming the
+running one, instead of two processes interleaving shards, checkpoints or manifests.
 
-The kernel drops a flock when its process dies (kill -9 included), so a lock is never stale and nothing
-needs cleaning up. Each rank of a multi-process job locks its own file: the ranks of one job never collide,
-while every rank of a second job meets its counterpart. A rank > 0 also checks that rank 0's lock, if held,
-belongs to its own job (same launcher job id, when the launcher gives one): a second job's rank 1 does not
-start writing while its rank 0 is being refused. flock is local to a machine on some network filesystems
-(NFS emulates it with POSIX locks, Lustre needs `-o flock`): ranks of two jobs on different nodes are held
-apart only where it is not."""
+Each rank of a multi-process job locks its own file: the ranks of one job never collide, while every rank of a
+second job meets its counterpart. A rank > 0 also checks that rank 0's lock, if held, belongs to its own job
+(same launcher job id, when the launcher gives one): a second job's rank 1 does not start writing while its
+rank 0 is being refused.
+
+Two mechanisms, chosen by `EAGLET_LOCK` (auto | flock | file):
+- **flock** (the default where it works): the kernel drops the lock when its process dies (kill -9 included),
+  so a lock is never stale and nothing needs cleaning up.
+- **file**: a lock file created with O_EXCL (`.eaglet-lock.rank<R>.held`, holding host, pid, job and command),
+  kept alive by a heartbeat (its mtime, touched every `EAGLET_LOCK_STALE_S`/4 seconds, default 60). It is
+  for file systems where flock fails (Lustre mounted `noflock`: `auto` falls back to it, with a warning) or
+  where flock is node-local and so protects nothing across nodes (Lustre `localflock`, some NFS setups: set
+  `EAGLET_LOCK=file` there). A lock whose holder is gone is taken over: at once when the holder ran on this
+  host and its process is dead; from another host, once its heartbeat has not moved for the stale time,
+  watched on this host's clock (so clock skew between nodes only delays a take-over, never hastens one)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import socket
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
 from pipeline.dist import RankInfo, rank_info
 
 LOCK_PREFIX = ".eaglet-lock.rank"
+HELD_SUFFIX = ".held"  # the file lock's name: <LOCK_PREFIX><rank><HELD_SUFFIX>
+LOCK_MODES = ("auto", "flock", "file")
+# flock's errors on a file system that does not implement it (Lustre `noflock` gives ENOSYS; NFS without a
+# lock manager ENOLCK; FUSE file systems EOPNOTSUPP or EINVAL).
+NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 log = logging.getLogger(__name__)
 
 
 class OutputLocked(RuntimeError):
     pass
+
+
+def lock_mode() -> str:
+    mode = os.environ.get("EAGLET_LOCK", "auto")
+    if mode not in LOCK_MODES:
+        raise ValueError(f"EAGLET_LOCK={mode!r}: choose one of {', '.join(LOCK_MODES)}")
+    return mode
+
+
+def stale_after_s() -> float:
+    """How long a file lock's heartbeat may stand still before its holder counts as gone."""
+    return float(os.environ.get("EAGLET_LOCK_STALE_S", "60"))
 
 
 def job_id() -> Optional[str]:
@@ -41,6 +69,40 @@ def job_id() -> Optional[str]:
     # Every id present counts: two runs started from one Slurm step differ by their torchrun port.
     keys = [k for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT") if k in env]
     return ":".join(env[k] for k in keys) if keys else None
+
+
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """/proc/<pid>/stat's fields after the command name (state first), or None where there is none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """The process's start time (clock ticks since boot, field 22 of /proc/<pid>/stat): a pid reused by a later
+    process has another one. None where there is no /proc or no such process."""
+    stat = _proc_stat(pid)
+    return stat[19] if stat else None
+
+
+def _alive_here(holder: dict) -> bool:
+    """Whether a holder that ran on this host is still running (the same process, not a reuse of its pid)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
+        return True  # a record being written: assume alive
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True  # no /proc: the pid exists
+    # A killed process nobody has reaped yet (a container without an init) is a zombie: it holds nothing.
+    started = holder.get("started")
+    return stat[0] not in ("Z", "X") and (started is None or stat[19] == started)
 
 
 def _holder(path: Path) -> dict:
@@ -57,8 +119,15 @@ def _describe(holder: dict) -> str:
             f"{holder.get('since')}: {holder.get('command')}")
 
 
-def _held_by_other(path: Path) -> bool:
-    """True while some process holds `path` exclusively (probed with a shared lock, released at once)."""
+def _holder_record(stage: str) -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "job": job_id(), "stage": stage,
+            "started": _process_start(os.getpid()),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
+
+
+def _flock_held_by_other(path: Path) -> bool:
+    """True while some process holds `path`'s flock exclusively (probed with a shared lock, released at once);
+    False also where the file system has no flock."""
     if not path.is_file():
         return False
     fd = os.open(path, os.O_RDONLY)
@@ -67,8 +136,110 @@ def _held_by_other(path: Path) -> bool:
         return False
     except BlockingIOError:
         return True
+    except OSError:
+        return False
     finally:
         os.close(fd)
+
+
+class FileLock:
+    """The O_EXCL lock file with a heartbeat (the module's docstring says when it is used)."""
+
+    def __init__(self, path: Path, record: dict):
+        self.path = Path(path)
+        self.record = {**record, "token": uuid.uuid4().hex}
+        self.stale_s = stale_after_s()
+        self._stop = threading.Event()
+        self._beat: Optional[threading.Thread] = None
+
+    def acquire(self) -> Optional[dict]:
+        """Takes the lock (None) or returns the live holder's record. A gone holder's lock is taken over."""
+        for _ in range(3):  # a take-over frees the name, and another process may create it first
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = _holder(self.path)
+                if not self.gone(holder):
+                    return holder
+                self.break_stale(holder)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.record))
+            self._beat = threading.Thread(target=self._heartbeat, name=f"lock-heartbeat {self.path}", daemon=True)
+            self._beat.start()
+            return None
+        return _holder(self.path)
+
+    def gone(self, holder: dict) -> bool:
+        """Whether the lock's holder has stopped: on this host, its process is dead; on another, its heartbeat
+        (the file's mtime) has not moved for the stale time. A fresh heartbeat is trusted at once; an old one
+        is watched for the stale time on this host's monotonic clock first."""
+        if holder.get("host") == socket.gethostname():
+            return not _alive_here(holder)
+        try:
+            beat = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return True
+        if abs(time.time() - beat / 1e9) < self.stale_s:
+            return False
+        deadline = time.monotonic() + self.stale_s
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, self.stale_s / 10))
+            try:
+                if self.path.stat().st_mtime_ns != beat:
+                    return False
+            except FileNotFoundError:
+                return True
+        log.warning("%s: the lock of %s has had no heartbeat for %.0f s: taking it over", self.path.parent,
+                    _describe(holder), self.stale_s)
+        return True
+
+    def break_stale(self, holder: dict) -> None:
+        """Removes the lock file of a gone holder, unless it changed meanwhile (another process took it over
+        and holds it now): take-overs are serialized by a second O_EXCL file, held for a moment."""
+        breaker = self.path.with_name(self.path.name + ".break")
+        try:
+            fd = os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            with contextlib.suppress(FileNotFoundError):  # a breaker killed mid-way: its file outlives it
+                if time.time() - breaker.stat().st_mtime > max(self.stale_s, 10):
+                    breaker.unlink()
+            time.sleep(0.1)
+            return
+        os.close(fd)
+        try:
+            if _holder(self.path).get("token") == holder.get("token"):
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+        finally:
+            breaker.unlink()
+
+    def _heartbeat(self) -> None:
+        interval = max(self.stale_s / 4, 0.05)
+        while not self._stop.wait(interval):
+            if _holder(self.path).get("token") != self.record["token"]:
+                log.error("%s: this run's lock was taken over by %s (no heartbeat for %.0f s: was the process "
+                          "suspended?); two runs may now write this folder", self.path.parent,
+                          _describe(_holder(self.path)), self.stale_s)
+                return
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.path)
+
+    def live_holder(self) -> Optional[dict]:
+        """The record of the live holder of this file lock (another process's), or None."""
+        if not self.path.exists():
+            return None
+        holder = _holder(self.path)
+        return None if self.gone(holder) else holder
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
+        if _holder(self.path).get("token") == self.record["token"]:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
 
 
 class OutputLock:
@@ -80,10 +251,27 @@ class OutputLock:
         self.rank = rank or rank_info()
         self.path = self.dir / f"{LOCK_PREFIX}{self.rank.rank}"
         self.wait_rank0_s = wait_rank0_s
+        self.mode = lock_mode()
         self._fd: Optional[int] = None
+        self._file: Optional[FileLock] = None
 
     def __enter__(self) -> "OutputLock":
         self.dir.mkdir(parents=True, exist_ok=True)
+        me = _holder_record(self.stage)
+        if self.mode != "file" and not self._take_flock(me):
+            self.mode = "file"
+        if self.mode == "file":
+            self._file = FileLock(self.dir / f"{LOCK_PREFIX}{self.rank.rank}{HELD_SUFFIX}", me)
+            if (holder := self._file.acquire()) is not None:
+                self._file = None
+                self._refuse(holder)
+        if self.rank.rank > 0 and me["job"] is not None:
+            self._check_rank0(me["job"])
+        return self
+
+    def _take_flock(self, me: dict) -> bool:
+        """Holds the flock (True), or False where the file system has none (auto falls back to the file lock;
+        flock mode refuses to run unprotected)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         for _ in range(20):  # a rank > 0 probing this file holds it for microseconds: try again briefly
             try:
@@ -91,24 +279,35 @@ class OutputLock:
                 break
             except BlockingIOError:
                 time.sleep(0.05)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in NO_FLOCK:
+                    raise
+                if self.mode == "flock":
+                    raise OSError(e.errno, f"{self.dir}: this file system has no flock ({e.strerror}); set "
+                                           f"EAGLET_LOCK=file (or auto) to lock with a heartbeat file") from e
+                log.warning("%s: no flock on this file system (%s): locking with a heartbeat file instead "
+                            "(EAGLET_LOCK=file)", self.dir, e.strerror)
+                return False
         else:
             os.close(fd)
             self._refuse(_holder(self.path))
         self._fd = fd
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "job": job_id(), "stage": self.stage,
-              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
-        if self.rank.rank > 0 and me["job"] is not None:
-            self._check_rank0(me["job"])
-        return self
+        return True
+
+    def _rank0_holder(self) -> Optional[dict]:
+        """Rank 0's holder record while its lock (either kind) is held by another process, else None."""
+        flocked = self.dir / f"{LOCK_PREFIX}0"
+        if _flock_held_by_other(flocked):
+            return _holder(flocked)
+        return FileLock(self.dir / f"{LOCK_PREFIX}0{HELD_SUFFIX}", {}).live_holder()
 
     def _check_rank0(self, job: str) -> None:
-        """Rank 0's lock, when held, must be our job's; its holder record may lag its flock by a moment."""
-        rank0 = self.dir / f"{LOCK_PREFIX}0"
+        """Rank 0's lock, when held, must be our job's; its holder record may lag its lock by a moment."""
         deadline = time.monotonic() + self.wait_rank0_s
-        while _held_by_other(rank0):
-            holder = _holder(rank0)
+        while (holder := self._rank0_holder()) is not None:
             if holder.get("job") == job:
                 return
             if time.monotonic() > deadline:
@@ -117,17 +316,20 @@ class OutputLock:
             time.sleep(0.1)
 
     def _refuse(self, holder: dict) -> None:
+        released = ("at once" if self.mode != "file" else
+                    f"at once on its own host, after {stale_after_s():.0f} s without a heartbeat from another")
         raise OutputLocked(f"{self.dir} is being written by another {holder.get('stage', self.stage)} run: "
                            f"{_describe(holder)}. Wait for it to finish or stop it; a killed run releases the "
-                           f"folder at once. Or write elsewhere (name=..., output_root=...)")
+                           f"folder {released}. Or write elsewhere (name=..., output_root=...)")
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-
+        if self._file is not None:
+            self._file.release()
+            self._file = None
 @contextlib.contextmanager
 def first_writer_lock(out: Path):
     """Held while one process makes `out` that every rank then reads (a GGUF's dequantization, the tokenized
