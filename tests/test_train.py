@@ -377,3 +377,38 @@ def test_deepspeed_on_cpu_is_refused_with_a_clear_message():
 
     with pytest.raises(ValueError, match="needs CUDA GPUs"):
         Parallel(TrainConfig(deepspeed_config=str(REPO / "conf" / "deepspeed" / "zero2.json")))
+
+
+def test_skip_is_refused_under_deepspeed_however_it_is_asked_for(monkeypatch):
+    """`accelerate launch` with a DeepSpeed plugin asks through the environment, not the train config: Parallel
+    refuses on_nonfinite=skip for it too (with a config file, and with `--use_deepspeed` alone), and for a
+    DeepSpeed regime accelerate would choose with nothing asking (its state read after the Accelerator is built)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from pipeline.train.config import TrainSetupError
+    from pipeline.train.parallel import Parallel
+
+    refusal = r"train.on_nonfinite=skip cannot run under DeepSpeed \(accelerate launch's DeepSpeed plugin"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    for config_file in (str(REPO / "conf" / "deepspeed" / "zero2.json"), None):
+        if config_file:
+            monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config_file)
+        else:
+            monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
+        with pytest.raises(TrainSetupError, match=refusal):
+            Parallel(TrainConfig(on_nonfinite="skip"))
+        if not torch.cuda.is_available():  # fail mode asks for DeepSpeed itself, which the CPU refuses
+            with pytest.raises(TrainSetupError, match="accelerate launch's DeepSpeed plugin.*needs CUDA GPUs"):
+                Parallel(TrainConfig())
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED))
+    with pytest.raises(TrainSetupError, match=r"cannot run under DeepSpeed \(chosen by accelerate\)"):
+        Parallel(TrainConfig(on_nonfinite="skip"))
+    monkeypatch.undo()
+    par = Parallel(TrainConfig(on_nonfinite="skip"))  # the refusal reset accelerate's state behind it
+    try:
+        assert not par.deepspeed
+    finally:
+        par.end()

@@ -93,7 +93,19 @@ class TrainConfig:
         if self.patience is not None and (self.select != Select.tau or self.patience < 1):
             raise ValueError("train.patience counts tau probes without a gain: it needs train.select=tau and a "
                              "value >= 1")
-        if self.on_nonfinite == OnNonFinite.skip and self.deepspeed_config:
-            raise ValueError("train.on_nonfinite=skip cannot be combined with train.deepspeed_config: DeepSpeed "
-                             "applies the step inside backward, before a non-finite gradient can be skipped "
-                             "(train.on_nonfinite=fail still stops the run at the first one)")
+        if self.deepspeed_config:  # early (before stage=all's regen); Parallel holds every launcher to it
+            refuse_skip_under_deepspeed(self.on_nonfinite, "train.deepspeed_config")
+
+
+class TrainSetupError(ValueError):
+    """Train settings that cannot run as launched (a pipeline error: one line at the command line)."""
+
+
+def refuse_skip_under_deepspeed(on_nonfinite: OnNonFinite, asked_by: str) -> None:
+    """The one rule of on_nonfinite under DeepSpeed: its engine steps inside backward, before the loop's verdict,
+    so the loop cannot leave a step out (ZeRO-0 applies a NaN update, ZeRO-1/2 skip it on their own terms)."""
+    if on_nonfinite == OnNonFinite.skip:
+        raise TrainSetupError(f"train.on_nonfinite=skip cannot run under DeepSpeed ({asked_by}): DeepSpeed applies "
+                              f"the step inside backward, before a non-finite one can be skipped; use "
+                              f"train.on_nonfinite=fail (it stops at the first one, before any checkpoint holds it), "
+                              f"or train without DeepSpeed")

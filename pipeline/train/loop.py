@@ -259,17 +259,23 @@ class Trainer:
         gradient norm. Under fail a bad step stops every rank; under skip it is skipped on every rank."""
         losses_ok = bool(torch.isfinite(torch.stack(losses)).all())
         grad_ok = grad_norm is None or math.isfinite(grad_norm)  # all-reduced: the same on every rank
-        if not self.par.any(bool(found.get("problems")) or not losses_ok) and grad_ok:
+        # DeepSpeed stepped inside backward, before this verdict (and ZeRO-0 reports no norm): check what it
+        # applied, so that the run stops before a checkpoint can hold a non-finite head.
+        weights_ok = not self.par.deepspeed or bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all())
+        if not self.par.any(bool(found.get("problems")) or not losses_ok or not weights_ok) and grad_ok:
             return True
         problems = list(found.get("problems", []))
         if not losses_ok:
             problems.append(f"a non-finite loss on the micro-batches of {self.locate_rows(rows)}")
         if not grad_ok:
             problems.append(f"a non-finite gradient (norm {grad_norm})")
+        if not weights_ok:
+            problems.append("non-finite weights after DeepSpeed's step")
         what = "; ".join(problems) or "a non-finite loss on another rank"
         if self.cfg.on_nonfinite == "fail":
             raise NonFiniteError(f"step {self.step + 1}: {what}. Repair or re-dump those rows, or set "
-                                 f"train.on_nonfinite=skip to leave such rows and steps out")
+                                 f"train.on_nonfinite=skip to leave such rows and steps out"
+                                 + (" (without DeepSpeed)" if self.par.deepspeed else ""))
         log.warning("step %d skipped: %s", self.step + 1, what)
         found["nonfinite_steps"] = 1
         return False
