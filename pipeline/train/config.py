@@ -37,6 +37,12 @@ class OnNonFinite(Choice):
     skip = "skip"
 
 
+class OnScheduleChange(Choice):
+    refuse = "refuse"  # a resume whose lr schedule differs from its checkpoint's stops, naming both
+    # the new schedule (its lr included) from the resumed step on, recorded in the manifest's schedule_changes
+    apply = "apply"
+
+
 @dataclass
 class TrainConfig:
     source: TrainSource = TrainSource.dump
@@ -81,12 +87,16 @@ class TrainConfig:
     # A non-finite hidden state, loss or gradient: `fail` stops with the step, shard and row; `skip` leaves the
     # rows (states) or the step (loss, gradient) out and counts them in the metrics (train/skipped_*).
     on_nonfinite: OnNonFinite = OnNonFinite.fail
+    # A resume whose schedule (lr, schedule, warmup_steps, min_lr_ratio, and the total steps epochs/max_steps give
+    # a decaying schedule) differs from its checkpoint's: `refuse`, or `apply` the new one from the resumed step.
+    on_schedule_change: OnScheduleChange = OnScheduleChange.refuse
 
     def __post_init__(self) -> None:
         self.source = TrainSource.parse(self.source, "train.source")
         self.schedule = Schedule.parse(self.schedule, "train.schedule")
         self.mixed_precision = MixedPrecision.parse(self.mixed_precision, "train.mixed_precision")
         self.on_nonfinite = OnNonFinite.parse(self.on_nonfinite, "train.on_nonfinite")
+        self.on_schedule_change = OnScheduleChange.parse(self.on_schedule_change, "train.on_schedule_change")
         self.select = Select.parse(self.select, "train.select")
         if self.select == Select.tau and self.tau_prompts < 1:
             raise ValueError("train.select=tau chooses by the decoded tau: it needs train.tau_prompts >= 1")
