@@ -496,7 +496,7 @@ class Trainer:
                 f"{path}: this run started with train.source={theirs_source} and cannot resume with "
                 f"train.source={our_source} (the states would come from elsewhere mid-run); rerun with "
                 f"train.source={theirs_source}, or train into another head.name")
-        for key in ("identity", "data_order"):  # epochs/max_steps may change: training longer is allowed
+        for key in ("identity", "data_order"):  # epochs/max_steps may change: their schedule, _resume_schedule
             if state[key] != ours[key]:
                 raise ResumeRefused(
                     f"{path}: saved with {key}={state[key]} but this run has {ours[key]}; it cannot continue that "
