@@ -251,6 +251,9 @@ class TrainManifest(StageManifest):
     final_metrics: dict = dataclasses.field(default_factory=dict)
     head_files: Optional[dict] = None  # None: a head trained before the digests were recorded (loads unchecked)
     selected: Optional[dict] = None  # train.select=tau: the step and tau of the head final/ holds
+    # train.on_schedule_change=apply: [{step, from, to}] each resume that changed the lr schedule (from: null for
+    # a checkpoint that did not record its own)
+    schedule_changes: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -191,6 +191,30 @@ def test_a_non_finite_loss_stops_training_or_its_steps_are_skipped(root, tiny_mo
     assert counts["skipped_nonfinite_steps"] == 2 and counts["steps"] == 3
 
 
+def test_in_deepspeed_order_a_nan_update_stops_the_run_before_a_checkpoint_holds_it(root, tiny_model_dir):
+    """DeepSpeed steps inside backward, before the loop's verdict, and ZeRO-0 reports no gradient norm
+    (tests/support/step_in_backward.py drives the real loop in that order). Step 3's gradient turns NaN behind a
+    finite loss and its update is applied; the verdict checks the weights DeepSpeed applied and stops at step 3,
+    so no checkpoint holds that head (checkpoints every step: the last is step 2's, finite)."""
+    from safetensors.torch import load_file
+
+    from pipeline.train import checkpoint as ckpt
+    from pipeline.train.run import train
+    from tests.support.step_in_backward import StepInBackward
+
+    cfg = train_cfg(root, tiny_model_dir, name="ds", max_steps=4, save_every=1)
+    par = StepInBackward(cfg.train, nan_gradient_at=3)
+    try:
+        with pytest.raises(NonFiniteError, match=r"step 3: non-finite weights after DeepSpeed's step\. .*"
+                                                 r"train\.on_nonfinite=skip .*\(without DeepSpeed\)"):
+            train(cfg, par)
+    finally:
+        par.end()
+    last = ckpt.latest_checkpoint(root / EXPERIMENT / "train" / "ds")
+    assert last.name == "step-2"
+    assert all(torch.isfinite(v).all() for v in load_file(str(last / HEAD_WEIGHTS)).values() if v.is_floating_point())
+
+
 def test_the_dump_refuses_a_changed_regen_shard(tmp_path, tiny_model_dir):
     from pipeline.hidden_states.run import main as dump_main
     from pipeline.regen.run import main as regen_main
@@ -217,7 +241,7 @@ def test_the_dump_refuses_a_changed_regen_shard(tmp_path, tiny_model_dir):
 def test_skipping_non_finite_steps_is_refused_under_deepspeed():
     from pipeline.train.config import TrainConfig
 
-    with pytest.raises(ValueError, match="on_nonfinite=skip cannot be combined with train.deepspeed_config"):
+    with pytest.raises(ValueError, match=r"on_nonfinite=skip cannot run under DeepSpeed \(train.deepspeed_config\)"):
         TrainConfig(on_nonfinite="skip", deepspeed_config="conf/deepspeed/zero2.json")
 
 

@@ -29,7 +29,7 @@ from pipeline.manifest import ManifestError, load_manifest
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import StepSchedule, collate, epoch_batches, pack, split_train_val, subsample
-from pipeline.train.loop import lr_factor
+from pipeline.train.loop import LrSchedule
 from pipeline.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,12 +162,12 @@ def test_step_schedule_splits_a_step_across_ranks_like_grad_accum():
 
 
 def test_lr_schedule_warmup_then_cosine_or_linear_to_the_floor():
-    cfg = TrainConfig(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
-    assert [lr_factor(s, 20, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_factor(4, 20, cfg) == pytest.approx(1.0)
-    assert lr_factor(19, 20, cfg) == pytest.approx(0.1)
-    lin = TrainConfig(warmup_steps=0, schedule="linear")
-    assert lr_factor(0, 11, lin) == 1.0 and lr_factor(5, 11, lin) == pytest.approx(0.5)
+    cos = LrSchedule.of(TrainConfig(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1), total_steps=20)
+    assert [cos.factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cos.factor(4) == pytest.approx(1.0)
+    assert cos.factor(19) == pytest.approx(0.1)
+    lin = LrSchedule.of(TrainConfig(warmup_steps=0, schedule="linear"), total_steps=11)
+    assert lin.factor(0) == 1.0 and lin.factor(5) == pytest.approx(0.5)
 
 
 def test_collate_right_pads_and_truncates(dump_root):
@@ -271,7 +271,7 @@ def test_eagle3_trains_end_to_end_with_offline_wandb(dump_root, tiny_model_dir, 
     keys = {"train/loss", "train/loss_0", "train/loss_2", "train/acc_0", "train/acc_2", "train/sim_tau", "lr",
             "grad_norm", "tokens_per_s"}
     assert keys <= set(train[0])
-    assert [r["lr"] for r in train[:3]] == pytest.approx([1.5e-3, 3e-3, 3e-3 * lr_factor(2, 10, cfg.train)])
+    assert [r["lr"] for r in train[:3]] == pytest.approx([1.5e-3, 3e-3, LrSchedule.of(cfg.train, 10).lr_at(2)])
     for r in train:  # sim_tau is the chain formula over this step's per-round accuracies
         acc = [r[f"train/acc_{k}"] for k in range(3)]
         assert r["train/sim_tau"] == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
@@ -377,3 +377,38 @@ def test_deepspeed_on_cpu_is_refused_with_a_clear_message():
 
     with pytest.raises(ValueError, match="needs CUDA GPUs"):
         Parallel(TrainConfig(deepspeed_config=str(REPO / "conf" / "deepspeed" / "zero2.json")))
+
+
+def test_skip_is_refused_under_deepspeed_however_it_is_asked_for(monkeypatch):
+    """`accelerate launch` with a DeepSpeed plugin asks through the environment, not the train config: Parallel
+    refuses on_nonfinite=skip for it too (with a config file, and with `--use_deepspeed` alone), and for a
+    DeepSpeed regime accelerate would choose with nothing asking (its state read after the Accelerator is built)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from pipeline.train.config import TrainSetupError
+    from pipeline.train.parallel import Parallel
+
+    refusal = r"train.on_nonfinite=skip cannot run under DeepSpeed \(accelerate launch's DeepSpeed plugin"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    for config_file in (str(REPO / "conf" / "deepspeed" / "zero2.json"), None):
+        if config_file:
+            monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config_file)
+        else:
+            monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
+        with pytest.raises(TrainSetupError, match=refusal):
+            Parallel(TrainConfig(on_nonfinite="skip"))
+        if not torch.cuda.is_available():  # fail mode asks for DeepSpeed itself, which the CPU refuses
+            with pytest.raises(TrainSetupError, match="accelerate launch's DeepSpeed plugin.*needs CUDA GPUs"):
+                Parallel(TrainConfig())
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED))
+    with pytest.raises(TrainSetupError, match=r"cannot run under DeepSpeed \(chosen by accelerate\)"):
+        Parallel(TrainConfig(on_nonfinite="skip"))
+    monkeypatch.undo()
+    par = Parallel(TrainConfig(on_nonfinite="skip"))  # the refusal reset accelerate's state behind it
+    try:
+        assert not par.deepspeed
+    finally:
+        par.end()

@@ -13,12 +13,15 @@ import sys
 
 import pytest
 
+from pipeline.lock import LOCK_PREFIX
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.run import main
 from test_online import online_cli
-from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
+from test_train import EXPERIMENT, REPO, as_config, build_tiny_dump, overrides, run_cli, train_losses
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# What `accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml` puts in each process's environment.
+DEEPSPEED_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "conf/deepspeed/zero2.json"}
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +71,23 @@ def test_online_ranks_run_their_own_target_and_reproduce_one_process(dump_root, 
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
     manifest = json.loads((runs["online-two"] / "manifest.json").read_text())
     assert manifest["source"] == "online" and manifest["counts"]["world_size"] == 2
+
+
+@pytest.mark.parametrize("launcher, processes", [("python", 1), ("torchrun", 2), ("accelerate", 2)])
+def test_skip_under_deepspeed_is_refused_by_every_launcher_before_any_step(tmp_path, tiny_model_dir, launcher,
+                                                                           processes):
+    """train.on_nonfinite=skip with DeepSpeed asked for by the launcher, not the train config (which TrainConfig's
+    own check cannot see): one process and torchrun's two with the variables accelerate sets, and accelerate launch
+    itself with conf/accelerate/deepspeed_zero2.yaml. Every rank refuses in Parallel with the one line, before
+    any row is read or step taken: the train folder holds nothing but the output lock."""
+    d = overrides(tmp_path, tiny_model_dir, "eagle3", "ds", on_nonfinite="skip", tau_prompts=0)
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(REPO / "conf" / "accelerate" / "deepspeed_zero2.yaml"), "--num_processes", "2"]
+    out = run_cli(d, env={"OMP_NUM_THREADS": "1", **(DEEPSPEED_ENV if launcher != "accelerate" else {})},
+                  launcher={"python": None, "torchrun": TORCHRUN, "accelerate": accelerate}[launcher], timeout=120)
+    assert out.returncode != 0
+    line = ("eaglet: train: TrainSetupError: train.on_nonfinite=skip cannot run under DeepSpeed (accelerate "
+            "launch's DeepSpeed plugin, ACCELERATE_USE_DEEPSPEED=true)")
+    assert out.stderr.count(line) == processes, out.stderr[-3000:]
+    train_dir = tmp_path / EXPERIMENT / "train" / "ds"
+    assert {p.name for p in train_dir.iterdir()} <= {f"{LOCK_PREFIX}{r}" for r in range(processes)}

@@ -7,9 +7,15 @@ The interrupted runs are real `python -m pipeline.run` processes, started throug
 trainer hook makes them SIGKILL or SIGTERM themselves at a chosen point, so the interruption is deterministic."""
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import asdict
+
 import pytest
 
+from pipeline.manifest import TrainManifest
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.loop import LrSchedule, ResumeRefused
 from pipeline.train.metrics import read_metrics
 from pipeline.train.run import main
 from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
@@ -100,3 +106,67 @@ def test_an_interrupted_real_tau_decode_is_redone_on_resume(dump_root, tiny_mode
     assert ckpt.latest_checkpoint(train_dir).name == f"step-{checkpoint}"
     main(as_config(d))
     assert tau_records(train_dir) == pytest.approx(expected, abs=1e-9)
+
+
+# -- a resume that changes the lr schedule ------------------------------------------------------------------------
+
+
+def lrs(train_dir) -> dict[int, float]:
+    """The lr each logged step's update used (the scheduler's, as the optimizer's param groups hold it)."""
+    return {r["step"]: r["lr"] for r in read_metrics(train_dir / "metrics.jsonl") if "lr" in r}
+
+
+def test_a_changed_schedule_is_refused_by_default_and_applied_whole_when_asked(dump_root, tiny_model_dir):
+    """The resumed LambdaLR keeps its checkpoint's base lr while its factor is the new run's, so a changed schedule
+    would be mixed. By default the resume refuses, naming old and new values (lr, schedule kind, floor, and the
+    total steps a longer run gives the cosine) and touching nothing; with train.on_schedule_change=apply the new
+    schedule rules from the resumed step, its lr included, and the manifest records the change."""
+    d = overrides(dump_root, tiny_model_dir, "eagle1", "sched", max_steps=4, tau_prompts=0, eval_every=0)
+    main(as_config(d))  # cosine from lr 3e-3 (warmup 2) over 4 steps; checkpoint at step 4
+    train_dir = dump_root / EXPERIMENT / "train" / "sched"
+    before = (train_dir / "metrics.jsonl").read_text()
+    for change, said in (({"lr": 1e-3}, "lr 0.003 -> 0.001"), ({"schedule": "linear"}, "schedule cosine -> linear"),
+                         ({"min_lr_ratio": 0.1}, "min_lr_ratio 0.0 -> 0.1"), ({"max_steps": 8}, "total_steps 4 -> 8")):
+        with pytest.raises(ResumeRefused, match=re.escape(said) + r"; the lr of step 5 goes from \S+ to \S+\)\. "
+                                                r".*train\.on_schedule_change=apply"):
+            main(as_config({**d, **{f"train.{k}": v for k, v in change.items()}}))
+    assert (train_dir / "metrics.jsonl").read_text() == before
+    assert [p.name for p in ckpt.checkpoint_dirs(train_dir)] == ["step-4"]
+
+    new = {**d, "train.max_steps": 8, "train.lr": 1e-3, "train.schedule": "linear", "train.min_lr_ratio": 0.1,
+           "train.on_schedule_change": "apply"}
+    main(as_config(new))
+    old_schedule, new_schedule = LrSchedule(3e-3, "cosine", 2, 0.0, 4), LrSchedule(1e-3, "linear", 2, 0.1, 8)
+    got = lrs(train_dir)
+    assert [got[s] for s in range(1, 5)] == pytest.approx([old_schedule.lr_at(s - 1) for s in range(1, 5)], rel=1e-12)
+    # The resumed step's lr and every later one's are the new schedule's own, new lr included (mixed, step 5 would
+    # be 3e-3 x the new factor).
+    assert [got[s] for s in range(5, 9)] == pytest.approx([new_schedule.lr_at(s - 1) for s in range(5, 9)], rel=1e-12)
+    change = {"step": 4, "from": asdict(old_schedule), "to": asdict(new_schedule)}
+    assert TrainManifest.load(train_dir).schedule_changes == [change]
+
+    main(as_config(new))  # a rerun of the finished run: its checkpoint records the new schedule and the change
+    assert TrainManifest.load(train_dir).schedule_changes == [change]
+
+
+def test_a_checkpoint_without_a_recorded_schedule_resumes_as_before_and_a_constant_one_trains_longer(
+        dump_root, tiny_model_dir, caplog):
+    """A checkpoint of an older eaglet records no schedule: it resumes as before (its lr, this run's factor), with a
+    warning. A constant schedule trained longer is the same schedule: no refusal."""
+    d = overrides(dump_root, tiny_model_dir, "eagle1", "unrecorded", max_steps=2, tau_prompts=0, eval_every=0,
+                  schedule="constant")
+    main(as_config(d))
+    train_dir = dump_root / EXPERIMENT / "train" / "unrecorded"
+    main(as_config({**d, "train.max_steps": 4}))  # constant, longer: resumes
+    assert lrs(train_dir) == pytest.approx({1: 1.5e-3, 2: 3e-3, 3: 3e-3, 4: 3e-3}, rel=1e-12)
+
+    state_file = ckpt.latest_checkpoint(train_dir) / ckpt.TRAINER_STATE
+    state = json.loads(state_file.read_text())
+    for key in ("schedule", "schedule_changes"):  # as an older eaglet wrote it (the file holds the digests)
+        del state[key]
+    state_file.write_text(json.dumps(state))
+    with caplog.at_level("WARNING"):
+        main(as_config({**d, "train.max_steps": 6, "train.lr": 1e-3}))
+    assert "does not record its lr schedule" in caplog.text
+    assert lrs(train_dir)[5] == pytest.approx(3e-3, rel=1e-12)  # its lr kept: as before
+    assert TrainManifest.load(train_dir).schedule_changes == []

@@ -37,6 +37,12 @@ class OnNonFinite(Choice):
     skip = "skip"
 
 
+class OnScheduleChange(Choice):
+    refuse = "refuse"  # a resume whose lr schedule differs from its checkpoint's stops, naming both
+    # the new schedule (its lr included) from the resumed step on, recorded in the manifest's schedule_changes
+    apply = "apply"
+
+
 @dataclass
 class TrainConfig:
     source: TrainSource = TrainSource.dump
@@ -81,19 +87,35 @@ class TrainConfig:
     # A non-finite hidden state, loss or gradient: `fail` stops with the step, shard and row; `skip` leaves the
     # rows (states) or the step (loss, gradient) out and counts them in the metrics (train/skipped_*).
     on_nonfinite: OnNonFinite = OnNonFinite.fail
+    # A resume whose schedule (lr, schedule, warmup_steps, min_lr_ratio, and the total steps epochs/max_steps give
+    # a decaying schedule) differs from its checkpoint's: `refuse`, or `apply` the new one from the resumed step.
+    on_schedule_change: OnScheduleChange = OnScheduleChange.refuse
 
     def __post_init__(self) -> None:
         self.source = TrainSource.parse(self.source, "train.source")
         self.schedule = Schedule.parse(self.schedule, "train.schedule")
         self.mixed_precision = MixedPrecision.parse(self.mixed_precision, "train.mixed_precision")
         self.on_nonfinite = OnNonFinite.parse(self.on_nonfinite, "train.on_nonfinite")
+        self.on_schedule_change = OnScheduleChange.parse(self.on_schedule_change, "train.on_schedule_change")
         self.select = Select.parse(self.select, "train.select")
         if self.select == Select.tau and self.tau_prompts < 1:
             raise ValueError("train.select=tau chooses by the decoded tau: it needs train.tau_prompts >= 1")
         if self.patience is not None and (self.select != Select.tau or self.patience < 1):
             raise ValueError("train.patience counts tau probes without a gain: it needs train.select=tau and a "
                              "value >= 1")
-        if self.on_nonfinite == OnNonFinite.skip and self.deepspeed_config:
-            raise ValueError("train.on_nonfinite=skip cannot be combined with train.deepspeed_config: DeepSpeed "
-                             "applies the step inside backward, before a non-finite gradient can be skipped "
-                             "(train.on_nonfinite=fail still stops the run at the first one)")
+        if self.deepspeed_config:  # early (before stage=all's regen); Parallel holds every launcher to it
+            refuse_skip_under_deepspeed(self.on_nonfinite, "train.deepspeed_config")
+
+
+class TrainSetupError(ValueError):
+    """Train settings that cannot run as launched (a pipeline error: one line at the command line)."""
+
+
+def refuse_skip_under_deepspeed(on_nonfinite: OnNonFinite, asked_by: str) -> None:
+    """The one rule of on_nonfinite under DeepSpeed: its engine steps inside backward, before the loop's verdict,
+    so the loop cannot leave a step out (ZeRO-0 applies a NaN update, ZeRO-1/2 skip it on their own terms)."""
+    if on_nonfinite == OnNonFinite.skip:
+        raise TrainSetupError(f"train.on_nonfinite=skip cannot run under DeepSpeed ({asked_by}): DeepSpeed applies "
+                              f"the step inside backward, before a non-finite one can be skipped; use "
+                              f"train.on_nonfinite=fail (it stops at the first one, before any checkpoint holds it), "
+                              f"or train without DeepSpeed")

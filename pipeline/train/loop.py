@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -25,7 +25,7 @@ from pipeline.heads import HeadConfig, head_spec
 from pipeline.heads.io import save_head
 
 from . import checkpoint as ckpt
-from .config import Select, TrainConfig
+from .config import OnScheduleChange, Schedule, Select, TrainConfig
 from .data import Batch, StepSchedule, collate, epoch_batches, eval_batches
 from .metrics import MetricsLog, add_stats, derive, reduce_stats
 
@@ -78,22 +78,60 @@ def build_optimizer(head: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
 
 
-def lr_factor(step: int, total_steps: int, cfg: TrainConfig) -> float:
-    """Multiplier of cfg.lr for the update at 0-based `step`: linear warmup from lr/warmup, then cosine or
-    linear decay to min_lr_ratio at the last step, or constant."""
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return 1.0
-    span = max(1, total_steps - cfg.warmup_steps - 1)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    # TrainConfig checked the name: cosine or linear here
-    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+@dataclass(frozen=True)
+class LrSchedule:
+    """Everything the learning rate of a step depends on: recorded in every checkpoint, so a resume knows the
+    schedule it continues (Trainer.resume)."""
+
+    lr: float
+    schedule: str
+    warmup_steps: int
+    min_lr_ratio: float
+    total_steps: int
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, total_steps: int) -> "LrSchedule":
+        return cls(float(cfg.lr), str(cfg.schedule), int(cfg.warmup_steps), float(cfg.min_lr_ratio), int(total_steps))
+
+    def factor(self, step: int) -> float:
+        """Multiplier of lr for the update at 0-based `step`: linear warmup from lr/warmup, then cosine or linear
+        decay to min_lr_ratio at the last step, or constant."""
+        if self.warmup_steps > 0 and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == Schedule.constant:
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps - 1)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        # TrainConfig checked the name: cosine or linear here
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.schedule == Schedule.cosine else 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * self.factor(step)
+
+    def changes_from(self, old: "LrSchedule") -> dict[str, tuple]:
+        """{field: (old, new)} of what differs; total_steps only shapes the decaying schedules (a constant one
+        trained longer is the same schedule)."""
+        changed = {f.name: (getattr(old, f.name), getattr(self, f.name)) for f in fields(self)
+                   if getattr(old, f.name) != getattr(self, f.name)}
+        if old.schedule == self.schedule == Schedule.constant:
+            changed.pop("total_steps", None)
+        return changed
 
 
-def build_scheduler(optimizer, total_steps: int, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+def build_scheduler(optimizer, schedule: LrSchedule) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule.factor(s))
+
+
+def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, schedule: LrSchedule, step: int) -> None:
+    """From 0-based `step` on, the scheduler (built with `schedule`'s factor) follows `schedule` alone: a loaded
+    state's base lr is replaced by schedule.lr, and the optimizer's lr is schedule.lr_at(step) now."""
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [schedule.lr] * len(groups)
+    for group in groups:
+        group["initial_lr"] = schedule.lr
+    scheduler.last_epoch = step - 1
+    scheduler.step()  # sets every group's lr (and get_last_lr) to base lr x factor(step)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,6 +205,10 @@ def blank_rows(batch: Batch, rows: list[int]) -> None:
     batch.loss_mask[rows] = 0
 
 
+class ResumeRefused(RuntimeError):
+    """A checkpoint this run cannot continue (a pipeline error: one line at the command line)."""
+
+
 class StopForRequeue(SystemExit):
     def __init__(self):
         super().__init__(ckpt.REQUEUE_EXIT_CODE)
@@ -205,7 +247,10 @@ class Trainer:
         head = objective.head
         self.params = [p for p in head.parameters() if p.requires_grad]
         optimizer = build_optimizer(head, cfg)
-        self.scheduler = build_scheduler(optimizer, self.total_steps, cfg)
+        self.lr_schedule = LrSchedule.of(cfg, self.total_steps)
+        self.scheduler = build_scheduler(optimizer, self.lr_schedule)
+        # {step, from, to} of every schedule a resume changed (on_schedule_change=apply); checkpointed
+        self.schedule_changes: list[dict] = []
         self.model, self.optimizer = par.prepare(objective, optimizer)
         self.step = 0
         self.skipped = dict.fromkeys(SKIP_COUNTS, 0)  # under on_nonfinite=skip; checkpointed
@@ -259,17 +304,23 @@ class Trainer:
         gradient norm. Under fail a bad step stops every rank; under skip it is skipped on every rank."""
         losses_ok = bool(torch.isfinite(torch.stack(losses)).all())
         grad_ok = grad_norm is None or math.isfinite(grad_norm)  # all-reduced: the same on every rank
-        if not self.par.any(bool(found.get("problems")) or not losses_ok) and grad_ok:
+        # DeepSpeed stepped inside backward, before this verdict (and ZeRO-0 reports no norm): check what it
+        # applied, so that the run stops before a checkpoint can hold a non-finite head.
+        weights_ok = not self.par.deepspeed or bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all())
+        if not self.par.any(bool(found.get("problems")) or not losses_ok or not weights_ok) and grad_ok:
             return True
         problems = list(found.get("problems", []))
         if not losses_ok:
             problems.append(f"a non-finite loss on the micro-batches of {self.locate_rows(rows)}")
         if not grad_ok:
             problems.append(f"a non-finite gradient (norm {grad_norm})")
+        if not weights_ok:
+            problems.append("non-finite weights after DeepSpeed's step")
         what = "; ".join(problems) or "a non-finite loss on another rank"
         if self.cfg.on_nonfinite == "fail":
             raise NonFiniteError(f"step {self.step + 1}: {what}. Repair or re-dump those rows, or set "
-                                 f"train.on_nonfinite=skip to leave such rows and steps out")
+                                 f"train.on_nonfinite=skip to leave such rows and steps out"
+                                 + (" (without DeepSpeed)" if self.par.deepspeed else ""))
         log.warning("step %d skipped: %s", self.step + 1, what)
         found["nonfinite_steps"] = 1
         return False
@@ -421,6 +472,7 @@ class Trainer:
         cfg = self.cfg
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
                 "world_size": self.par.world_size, "identity": self.identity, "skipped": dict(self.skipped),
+                "schedule": asdict(self.lr_schedule), "schedule_changes": list(self.schedule_changes),
                 # Everything the data order depends on: equal values give the same micro-batches per step.
                 "data_order": {"seed": cfg.seed, "micro_batch_tokens": cfg.micro_batch_tokens,
                                "bucket_size": cfg.bucket_size, "max_length": cfg.max_length,
@@ -440,21 +492,51 @@ class Trainer:
         ours = self.trainer_state()
         theirs_source, our_source = (s["identity"].get("source", "dump") for s in (state, ours))
         if theirs_source != our_source:
-            raise RuntimeError(
+            raise ResumeRefused(
                 f"{path}: this run started with train.source={theirs_source} and cannot resume with "
                 f"train.source={our_source} (the states would come from elsewhere mid-run); rerun with "
                 f"train.source={theirs_source}, or train into another head.name")
-        for key in ("identity", "data_order"):  # epochs/max_steps may change: training longer is allowed
+        for key in ("identity", "data_order"):  # epochs/max_steps may change: their schedule, _resume_schedule
             if state[key] != ours[key]:
-                raise RuntimeError(
+                raise ResumeRefused(
                     f"{path}: saved with {key}={state[key]} but this run has {ours[key]}; it cannot continue that "
                     f"run (same dump, head and data order needed: seed, micro_batch_tokens, bucket_size, "
                     f"max_length, grad_accum x processes). Train into a new experiment, or delete "
                     f"{self.train_dir} to start over")
         self.step = int(state["step"])
         self.skipped.update(state.get("skipped", {}))
+        self.schedule_changes = list(state.get("schedule_changes", []))
+        self._resume_schedule(path, state.get("schedule"))
         log.info("resumed from %s (step %d of %d)", path, self.step, self.total_steps)
         return path
+
+    def _resume_schedule(self, path: Path, recorded: Optional[dict]) -> None:
+        """The loaded scheduler keeps the checkpoint's base lr while its factor is this run's: equal schedules
+        continue exactly; a changed one is refused, or applied whole from the resumed step (apply_schedule), lr
+        included, and recorded. A checkpoint from before the schedule was recorded resumes as before, warned."""
+        new, apply = self.lr_schedule, self.cfg.on_schedule_change == OnScheduleChange.apply
+        if recorded is None:
+            if not apply:
+                log.warning("%s does not record its lr schedule (an older eaglet): resuming as before, with its lr "
+                            "and this run's schedule; train.on_schedule_change=apply applies this run's lr too", path)
+                return
+            said, lr_before = "the checkpoint records none", "unknown"
+        else:
+            old = LrSchedule(**recorded)
+            if not (changes := new.changes_from(old)):
+                return
+            said = ", ".join(f"{key} {was} -> {now}" for key, (was, now) in changes.items())
+            lr_before = f"{old.lr_at(self.step):.4g}"
+        lr_then = f"the lr of step {self.step + 1} goes from {lr_before} to {new.lr_at(self.step):.4g}"
+        if not apply:
+            raise ResumeRefused(
+                f"{path}: the lr schedule changed since this checkpoint ({said}; {lr_then}). Rerun with the "
+                f"checkpoint's values, set train.on_schedule_change=apply to follow the new schedule from step "
+                f"{self.step + 1} (recorded in the manifest), or train into another head.name")
+        apply_schedule(self.scheduler, new, self.step)
+        self.schedule_changes.append({"step": self.step, "from": recorded, "to": asdict(new)})
+        log.warning("step %d: the lr schedule changed (%s), applied (train.on_schedule_change=apply): %s", self.step,
+                    said, lr_then)
 
     # -- the run ------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:

@@ -2,8 +2,8 @@
 
 accelerate picks the regime from the launch environment: one process; DDP over gloo on CPU or NCCL on GPU
 (`torchrun --nproc-per-node N` / `accelerate launch` / srun); or DeepSpeed ZeRO from a JSON config
-(`train.deepspeed_config=conf/deepspeed/zero2.json`, GPUs only). Heads, losses and the loop never see a
-wrapper: they call the methods here."""
+(`train.deepspeed_config=conf/deepspeed/zero2.json`, or `accelerate launch` with a DeepSpeed plugin; GPUs only).
+Heads, losses and the loop never see a wrapper: they call the methods here."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline.dist import RankInfo, export_slurm_ranks, target_layout
 
-from .config import MixedPrecision, TrainConfig
+from .config import MixedPrecision, OnNonFinite, TrainConfig, TrainSetupError, refuse_skip_under_deepspeed
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +34,15 @@ def resolve_mixed_precision(name: str, cuda: bool) -> str:
     return str(name)
 
 
-def deepspeed_config_file(cfg: TrainConfig) -> Optional[str]:
-    """train.deepspeed_config, or the file `accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml`
-    passes through the environment."""
+def deepspeed_asked_by(cfg: TrainConfig) -> Optional[str]:
+    """What asks for DeepSpeed, named for messages, or None: train.deepspeed_config, or `accelerate launch` with a
+    DeepSpeed plugin (`--config_file conf/accelerate/deepspeed_zero2.yaml`, or `--use_deepspeed` with or without a
+    file), which tells its processes through ACCELERATE_USE_DEEPSPEED; on a GPU accelerate then runs DeepSpeed
+    whatever the train config says."""
     if cfg.deepspeed_config:
-        return str(cfg.deepspeed_config)
+        return "train.deepspeed_config"
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+        return "accelerate launch's DeepSpeed plugin, ACCELERATE_USE_DEEPSPEED=true"
     return None
 
 
@@ -56,14 +58,17 @@ class Parallel:
         export_slurm_ranks()
         cuda = torch.cuda.is_available()
         plugin = None
-        ds_config = deepspeed_config_file(cfg)
-        if ds_config:
+        if asked_by := deepspeed_asked_by(cfg):
+            refuse_skip_under_deepspeed(cfg.on_nonfinite, asked_by)  # however it was launched, before any step
             # Only GPUs: DeepSpeed's CPU backend needs oneCCL; CPU data parallelism is DDP over gloo.
             if not cuda:
-                raise ValueError("train.deepspeed_config needs CUDA GPUs; on CPU leave it unset (plain DDP over gloo)")
+                raise TrainSetupError(f"DeepSpeed ({asked_by}) needs CUDA GPUs; on CPU leave it unset (plain DDP "
+                                      f"over gloo)")
             # Accumulation and clipping come from the train config ("auto" in the JSON), as without DeepSpeed.
-            plugin = DeepSpeedPlugin(hf_ds_config=ds_config, gradient_accumulation_steps=cfg.grad_accum,
-                                     gradient_clipping=cfg.grad_clip)
+            # No train.deepspeed_config: the file accelerate launch names (ACCELERATE_DEEPSPEED_CONFIG_FILE), or
+            # with `--use_deepspeed` alone the settings of its other variables.
+            plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config or None,
+                                     gradient_accumulation_steps=cfg.grad_accum, gradient_clipping=cfg.grad_clip)
         self.accelerator = Accelerator(
             cpu=not cuda,
             mixed_precision=resolve_mixed_precision(cfg.mixed_precision, cuda),
@@ -74,6 +79,9 @@ class Parallel:
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
         self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        if self.deepspeed and cfg.on_nonfinite == OnNonFinite.skip:  # the regime accelerate runs is the truth
+            self.end()
+            refuse_skip_under_deepspeed(cfg.on_nonfinite, asked_by or "chosen by accelerate")
         self.layout = target_layout(tensor_parallel, RankInfo(self.rank, self.world_size,
                                                               self.accelerator.local_process_index))
 

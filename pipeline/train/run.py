@@ -215,6 +215,7 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
         timings={"total_s": time.perf_counter() - t0}, inputs=inputs, source=str(cfg.train.source),
         target=target.fingerprint, precision=trainer.par.precision, head_config=head.config.to_dict(),
         thinking=cfg.regen.thinking,  # the template mode of its rows: eval renders with it
-        final_metrics=final_metrics, head_files=file_digests(final_dir), selected=selected)
+        final_metrics=final_metrics, head_files=file_digests(final_dir), selected=selected,
+        schedule_changes=trainer.schedule_changes)
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
                                                      if k in ("val/loss", "val/sim_tau", "eval/tau")})
