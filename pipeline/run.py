@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import STAGES, EagletConfig
+from pipeline.files import safe_name
 from pipeline.heads import HEADS
 from pipeline.lock import OutputLock
 from pipeline.manifest import DiskFull, disk_full
@@ -35,6 +36,9 @@ log = logging.getLogger("eaglet")
 
 
 def register_configs() -> None:
+    # Hydra makes its run folder (conf/config.yaml: hydra.run.dir) from `name` before the typed config checks
+    # it: a bad name still gives a folder inside output_root, and the check then refuses it in one line.
+    OmegaConf.register_new_resolver("eaglet_folder", lambda name: safe_name(str(name)), replace=True)
     store = ConfigStore.instance()
     store.store(name="eaglet_schema", node=EagletConfig)
     for kind, spec in HEADS.items():  # conf/head/<kind>.yaml starts from `<kind>_schema`
