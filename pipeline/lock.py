@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.dist import RankInfo, rank_info
+from pipeline.redact import redact_argv
 
 LOCK_PREFIX = ".eaglet-lock.rank"
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ class OutputLock:
             self._refuse(_holder(self.path))
         self._fd = fd
         me = {"pid": os.getpid(), "host": socket.gethostname(), "job": job_id(), "stage": self.stage,
-              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
+              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "command": " ".join(redact_argv(sys.argv))}  # a secret on the command line is not recorded
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         if self.rank.rank > 0 and me["job"] is not None:

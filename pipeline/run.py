@@ -20,6 +20,7 @@ from pipeline.files import safe_name
 from pipeline.heads import HEADS
 from pipeline.lock import OutputLock
 from pipeline.manifest import DiskFull, disk_full
+from pipeline.redact import RedactingFilter
 
 if TYPE_CHECKING:
     from pipeline.train.loop import TrainerHook
@@ -95,6 +96,9 @@ def execute(dcfg: DictConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None
         print(f"eaglet: config: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
     logging.getLogger().setLevel(cfg.log_level)
+    for handler in logging.getLogger().handlers:  # Hydra's: the console and <run folder>/run.log
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
     try:
         run_stages(cfg, trainer_hooks)
     except Exception as e:
