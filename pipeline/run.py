@@ -9,18 +9,21 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import STAGES, EagletConfig
-from pipeline.files import safe_name
+from pipeline.files import atomic_write_text, safe_name
 from pipeline.heads import HEADS
 from pipeline.lock import OutputLock
 from pipeline.manifest import DiskFull, disk_full
-from pipeline.redact import RedactingFilter
+from pipeline.redact import RedactingFilter, redact
 
 if TYPE_CHECKING:
     from pipeline.train.loop import TrainerHook
@@ -84,9 +87,24 @@ def main(dcfg: DictConfig) -> None:
     execute(dcfg)
 
 
+def redact_sweep_record() -> None:
+    """A multirun's sweeper saves the whole config and the overrides in `<sweep dir>/multirun.yaml` before any job
+    starts, whatever hydra.output_subdir says: each job rewrites it redacted (the same bytes from every job)."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    path = Path(HydraConfig.get().sweep.dir) / "multirun.yaml"
+    try:
+        doc = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (OSError, ValueError):
+        return
+    if (clean := redact(doc)) != doc:
+        atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(clean)))
+
+
 def execute(dcfg: DictConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None:
     """The composed config, typed and run; an error eaglet raises on purpose ends the process with one line.
     A caller with its own Hydra entry passes trainer hooks (tests/support/faulty_run.py, its fault injector)."""
+    redact_sweep_record()
     try:
         cfg = to_typed(dcfg)
     except (ValueError, TypeError) as e:

@@ -211,3 +211,16 @@ def test_a_regen_through_a_url_with_credentials_writes_them_nowhere(tmp_path, ti
     secrets = SECRETS + (BASIC,)  # the password as the Authorization header carries it too
     assert files_holding(out_root, secrets) == {}
     assert not [s for s in secrets if s in out.stdout + out.stderr]
+
+
+def test_a_multirun_keeps_no_secret_in_hydras_sweep_record(tmp_path):
+    """Hydra's sweeper writes multirun.yaml (config and overrides) before the jobs start; the jobs redact it. The
+    jobs here fail at once (no dump to train from): the record is redacted before a stage runs."""
+    out_root = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pipeline.run", "-m", "stage=train", "name=s", f"output_root={out_root}",
+           "regen.openai.base_url='http://u:SECRET1@h/v1?api_key=SECRET2'", "train.lr=1e-4,2e-4"]
+    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=300)
+    records = list(out_root.rglob("multirun.yaml"))
+    assert records and "base_url: http://u:***@h/v1?api_key=***" in records[0].read_text(), out.stderr[-2000:]
+    assert files_holding(out_root) == {}
