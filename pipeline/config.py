@@ -11,6 +11,7 @@ from pipeline.data.config import DataConfig, SourceConfig  # noqa: F401  (re-exp
 from pipeline.data.templates import template_label
 from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.export.config import ExportConfig
+from pipeline.files import check_inside, check_name, safe_name
 from pipeline.heads import HeadConfig, head_config
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.regen.config import RegenConfig
@@ -65,22 +66,27 @@ class EagletConfig:
 
     def __post_init__(self) -> None:
         self.stage = Stage.parse(self.stage, "stage")
+        check_name(self.name, "name")  # a folder under output_root (head.name, eval.run_name: their sections)
         if type(self.head) is HeadConfig:
             self.head = head_config(self.head.kind, name=self.head.name)
 
     # Output layout: regen/dump per experiment; train/eval/export per head, so heads never collide.
     @property
     def experiment_dir(self) -> Path:
-        return Path(self.output_root) / self.name
+        return Path(self.output_root) / check_name(self.name, "name")
 
     def stage_dir(self, stage: str) -> Path:
+        """The stage's output folder; never outside output_root (the names are checked at construction; this
+        holds for a config changed after it too, before any stage creates or deletes anything there)."""
         if stage in ("regen", "dump"):
-            return self.experiment_dir / stage
-        if stage in ("train", "export"):
-            return self.experiment_dir / stage / self.head.name
-        if stage == "eval":
-            return self.experiment_dir / "eval" / self.eval_subject / self.eval_run_name
-        raise ValueError(f"unknown stage {stage!r}")
+            out = self.experiment_dir / stage
+        elif stage in ("train", "export"):
+            out = self.experiment_dir / stage / check_name(self.head.name, "head.name")
+        elif stage == "eval":
+            out = self.experiment_dir / "eval" / check_name(self.eval_subject, "eval subject") / self.eval_run_name
+        else:
+            raise ValueError(f"unknown stage {stage!r}")
+        return check_inside(out, Path(self.output_root), f"the {stage} stage's folder")
 
     @property
     def eval_subject(self) -> str:
@@ -93,10 +99,11 @@ class EagletConfig:
     @property
     def eval_run_name(self) -> str:
         if self.eval.run_name:
-            return self.eval.run_name
+            return check_name(self.eval.run_name, "eval.run_name")
         path = Path(self.eval.questions) if self.eval.questions else Path("demo_questions")
         # FastChat / EAGLE layout (data/<bench>/question.jsonl): the folder names the set.
         stem = path.parent.name if path.stem == "question" and path.parent.name else path.stem
+        stem = safe_name(stem, 64)  # a file's stem may hold anything a folder name must not (`..`, spaces)
         limit = f"-n{self.eval.limit}" if self.eval.limit else ""
         e, t = self.eval, self.tree
         # The settings that define a run are in the name (set, limit, temperature, token budget, the target's
@@ -104,10 +111,11 @@ class EagletConfig:
         # head) in an existing folder is refused by the eval's identity check, never mixed.
         lookup = (f"-ngram{e.lookup.min_ngram}to{e.lookup.max_ngram}" if e.drafter == "prompt_lookup" else "")
         depth, total = ("auto" if v == -1 else v for v in (t.depth, t.total_tokens))
-        template = f"-tpl-{template_label(self.target.chat_template)}" if self.target.chat_template else ""
+        template = (f"-tpl-{safe_name(template_label(self.target.chat_template), 48)}" if self.target.chat_template
+                    else "")
         thinking = f"-think-{self.regen.thinking}" if self.regen.thinking != "template" else ""
-        return (f"{stem}{limit}-T{e.temperature:g}-m{e.max_new_tokens}-{self.target_precision}"
-                f"-tree{t.top_k}x{depth}x{total}{lookup}{template}{thinking}")
+        return check_name(f"{stem}{limit}-T{e.temperature:g}-m{e.max_new_tokens}-{self.target_precision}"
+                          f"-tree{t.top_k}x{depth}x{total}{lookup}{template}{thinking}", "eval.run_name (derived)")
 
     @property
     def target_precision(self) -> str:

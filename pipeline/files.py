@@ -1,5 +1,6 @@
 """Files on the ground floor: how every stage writes a file or a folder so that a reader never sees a torn
-one, and how it digests one. Every write-then-rename and every file hash of eaglet goes through here.
+one, how it digests one, and which configured names may become folders. Every write-then-rename, every file
+hash and every check of a name that becomes a path goes through here.
 
 A temporary is a hidden sibling named after this process (`.name.<pid>.tmp`), in the same folder so the
 rename is atomic; a writer that fails or is interrupted removes its temporary (a full disk is not left
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import IO, Iterator
@@ -18,6 +20,38 @@ from typing import IO, Iterator
 def default_cache_root() -> Path:
     """eaglet's cache ($EAGLET_CACHE or ~/.cache/eaglet): dequantized targets, llama-server, precision."""
     return Path(os.environ.get("EAGLET_CACHE") or "~/.cache/eaglet").expanduser()
+
+
+# A configured name (the experiment's `name`, `head.name`, `eval.run_name`, ...) becomes one folder under
+# output_root, and stages delete folders under their output: a name must not be able to point anywhere else
+# (`/etc/cron.d`, `..`, `a/../../b`), nor be one a shell or another filesystem mangles.
+MAX_NAME = 200  # under the 255 bytes of a file name, with room for a temporary sibling's `.<name>.<pid>.tmp`
+NAME_RULE = (f"a name must be one folder name of letters, digits and . _ + -, starting with a letter or digit, "
+             f"at most {MAX_NAME} characters (no '/', no '..')")
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._+-]{{0,{MAX_NAME - 1}}}")
+
+
+def check_name(value, key: str) -> str:
+    """`value` if it is a valid name (NAME_RULE), else ValueError naming `key`, the value and the rule."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{key}={value!r} is not a valid name; {NAME_RULE}")
+    return value
+
+
+def safe_name(text: str, max_len: int = MAX_NAME) -> str:
+    """`text` made a valid name (for names eaglet derives, e.g. from a file's stem): every run of other
+    characters becomes `_`, leading punctuation goes, and it is cut to `max_len` ("unnamed" if nothing is left)."""
+    name = re.sub(r"[^A-Za-z0-9._+-]+", "_", text).lstrip("._+-")[:max_len]
+    return name or "unnamed"
+
+
+def check_inside(path: Path, root: Path, key: str) -> Path:
+    """`path` if it lies inside `root`, else ValueError. Both are made absolute and normalized lexically (`..`
+    folded): a name cannot climb out, while a symlink the user placed under `root` stays the user's choice."""
+    absolute, top = os.path.abspath(path), os.path.abspath(root)
+    if os.path.commonpath([absolute, top]) != top or absolute == top:
+        raise ValueError(f"{key}: {path} is not inside output_root={root}; every stage writes under output_root")
+    return Path(path)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.dist import RankInfo, rank_info
+from pipeline.redact import redact_argv
 
 LOCK_PREFIX = ".eaglet-lock.rank"
 HELD_SUFFIX = ".held"  # the file lock's name: <LOCK_PREFIX><rank><HELD_SUFFIX>
@@ -122,7 +123,8 @@ def _describe(holder: dict) -> str:
 def _holder_record(stage: str) -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname(), "job": job_id(), "stage": stage,
             "started": _process_start(os.getpid()),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv)}
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": " ".join(redact_argv(sys.argv))}  # a secret on the command line is not recorded
 
 
 def _flock_held_by_other(path: Path) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Optional
 
 from pipeline.files import atomic_write_text, sha256_file, stale_tmp_siblings
+from pipeline.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,11 @@ def peak_rss_mb() -> Optional[float]:
 def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings: dict,
                    inputs: Iterable[Path] = (), **extra: Any) -> Path:
     """Atomically writes out_dir/manifest.json. `inputs` are the input stage directories whose manifests
-    this stage consumed; their digests pin exactly which version was read."""
+    this stage consumed; their digests pin exactly which version was read. Secrets (a base URL's password or
+    key, a secret-named setting) are redacted from everything it records (pipeline/redact.py)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {
+    doc = redact({
         "schema_version": SCHEMA_VERSION,
         "stage": stage,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -136,7 +138,7 @@ def write_manifest(out_dir: Path, stage: str, config: Any, counts: dict, timings
         "counts": to_plain(counts),
         "timings": to_plain({**timings, "peak_rss_mb": peak_rss_mb()}),
         **to_plain(extra),
-    }
+    })
     if stage in MANIFESTS and (unknown := sorted(set(doc) - MANIFESTS[stage].fields())):
         raise TypeError(f"{stage} manifest: {unknown} are not fields of {MANIFESTS[stage].__name__} "
                         f"(pipeline/manifest.py): declare them there")

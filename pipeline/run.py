@@ -9,16 +9,21 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import STAGES, EagletConfig
+from pipeline.files import atomic_write_text, safe_name
 from pipeline.heads import HEADS
 from pipeline.lock import OutputLock
 from pipeline.manifest import DiskFull, disk_full
+from pipeline.redact import RedactingFilter, redact
 
 if TYPE_CHECKING:
     from pipeline.train.loop import TrainerHook
@@ -35,6 +40,9 @@ log = logging.getLogger("eaglet")
 
 
 def register_configs() -> None:
+    # Hydra makes its run folder (conf/config.yaml: hydra.run.dir) from `name` before the typed config checks
+    # it: a bad name still gives a folder inside output_root, and the check then refuses it in one line.
+    OmegaConf.register_new_resolver("eaglet_folder", lambda name: safe_name(str(name)), replace=True)
     store = ConfigStore.instance()
     store.store(name="eaglet_schema", node=EagletConfig)
     for kind, spec in HEADS.items():  # conf/head/<kind>.yaml starts from `<kind>_schema`
@@ -79,9 +87,24 @@ def main(dcfg: DictConfig) -> None:
     execute(dcfg)
 
 
+def redact_sweep_record() -> None:
+    """A multirun's sweeper saves the whole config and the overrides in `<sweep dir>/multirun.yaml` before any job
+    starts, whatever hydra.output_subdir says: each job rewrites it redacted (the same bytes from every job)."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    path = Path(HydraConfig.get().sweep.dir) / "multirun.yaml"
+    try:
+        doc = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (OSError, ValueError):
+        return
+    if (clean := redact(doc)) != doc:
+        atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(clean)))
+
+
 def execute(dcfg: DictConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None:
     """The composed config, typed and run; an error eaglet raises on purpose ends the process with one line.
     A caller with its own Hydra entry passes trainer hooks (tests/support/faulty_run.py, its fault injector)."""
+    redact_sweep_record()
     try:
         cfg = to_typed(dcfg)
     except (ValueError, TypeError) as e:
@@ -91,6 +114,9 @@ def execute(dcfg: DictConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None
         print(f"eaglet: config: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)
     logging.getLogger().setLevel(cfg.log_level)
+    for handler in logging.getLogger().handlers:  # Hydra's: the console and <run folder>/run.log
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
     try:
         run_stages(cfg, trainer_hooks)
     except Exception as e:

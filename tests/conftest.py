@@ -84,9 +84,10 @@ def shared_data() -> Path:
 
 @pytest.fixture(scope="session")
 def server_binary():
-    """llama.cpp's llama-server that `make llama-server` builds into eaglet's cache (make test builds it)."""
+    """llama.cpp's llama-server that `make llama-server` builds into eaglet's cache (make test builds it), checked
+    against the sha256 recorded beside it as regen checks it."""
     from pipeline.regen.config import LlamaCppConfig
-    from pipeline.regen.llama_server import binary_path, find_binary
+    from pipeline.regen.llama_server import BinaryMismatch, binary_path, checked_binary, find_binary
     from pipeline.target import TargetConfig
 
     binary = find_binary(LlamaCppConfig(), TargetConfig())
@@ -95,4 +96,7 @@ def server_binary():
         if os.environ.get("CI"):
             pytest.fail(message)  # make test builds it; CI must not silently skip
         pytest.skip(message)
-    return binary
+    try:
+        return checked_binary(LlamaCppConfig(), TargetConfig())
+    except BinaryMismatch as e:
+        pytest.fail(str(e))

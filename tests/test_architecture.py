@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 # floor or below, never above (and the cycle check below rules out cycles within a floor).
 FLOORS = {
     "ground": {"choices", "files", "manifest", "precision", "dist", "lock", "tracking", "families",
-               "target_files"},
+               "target_files", "redact"},
     "library": {"target", "data", "heads", "decoding"},
     "stage": {"regen", "hidden_states", "train", "eval", "export"},
     "entry": {"config", "run"},

@@ -6,6 +6,7 @@ from typing import Optional
 
 from pipeline.choices import Choice
 from pipeline.decoding.tree import TreeSpec
+from pipeline.files import check_name
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,10 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         self.drafter = DrafterKind.parse(self.drafter, "eval.drafter")
+        if self.run_name:  # a folder under eval/<subject>/ (empty: the derived name, EagletConfig.eval_run_name)
+            check_name(self.run_name, "eval.run_name")
+        for name in self.compare:  # head names under train/, and parts of file names in the run folder
+            check_name(name, "eval.compare")
         for old, new in MOVED.items():
             if getattr(self, old) is not None:
                 raise ValueError(f"eval.{old} is now {new} (one tree for eval, train's tau probe and export)")

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
 from pipeline.choices import Choice
+from pipeline.files import check_name
 
 from .registry import head_spec
 
@@ -40,6 +41,7 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         options = head_spec(self.kind).options_class  # an unknown kind fails, naming the registered ones
+        check_name(self.name, "head.name")  # a folder: outputs/<experiment>/{train,export,eval}/<name>
         if type(self) not in (HeadConfig, options):
             raise ValueError(f"head.kind={self.kind} takes the options of {options.__name__}, not "
                              f"{type(self).__name__}: select the kind with head={self.kind}")

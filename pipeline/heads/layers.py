@@ -150,6 +150,22 @@ class KVCache:
         self.values = [None if v is None else fn(v) for v in self.values]
 
 
+def padded_causal_mask(attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """The causal mask of a padded training batch (attention_mask [B,T], True = real token) over its own keys,
+    bool [B,1,T,T], or None when plain causal attention is exact.
+
+    With right padding (every row a prefix of real tokens) causal attention never lets a real query see a pad
+    key, so SDPA's is_causal suffices (and keeps its fused kernel). Otherwise (left padding) pad keys are hidden;
+    every query keeps its own key so a pad query's row is never empty (its output is masked out of the loss)."""
+    valid = attention_mask.bool()
+    if bool((valid[:, 1:] <= valid[:, :-1]).all()):
+        return None
+    t = valid.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=valid.device)
+    return (causal & valid[:, None, None, :]) | eye
+
+
 def cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .layers import padded_causal_mask
+
 # EAGLE-1 defaults of the official trainer (eagle/train/main.py: v_w=1.0, p_w=0.1, uniform noise std=0.2).
 EAGLE1_FEATURE_WEIGHT = 1.0
 EAGLE1_TOKEN_WEIGHT = 0.1
@@ -237,7 +239,9 @@ def eagle1_loss(
     n = mask.sum()
     denom = n.clamp_min(1)
     feat = add_uniform_noise(head.fuse(batch.hidden), noise_scale, generator)
-    pred = head.forward_hidden(feat, batch.input_ids, batch.position_ids)
+    # Left padding: pad keys hidden from real queries (positions already count from each row's first token).
+    pred = head.forward_hidden(feat, batch.input_ids, batch.position_ids,
+                               attn_mask=padded_causal_mask(batch.attention_mask))
     pred, target = pred[mask], batch.target_hidden[mask].to(pred.dtype)  # [N,H]
     feature_loss = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1).sum() / denom
     token_sum, correct = head_soft_cross_entropy(pred, target, head.lm_head.weight, chunk_rows)

@@ -26,26 +26,11 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from .layers import repeat_kv
+from .layers import padded_causal_mask, repeat_kv
 from .losses import AlignedBatch, eagle3_round_loss, shift_left, target_distribution
 
 TTT_STEPS = 7
 ROUND_DECAY = 0.8
-
-
-def round0_key_mask(attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
-    """Padding-aware causal mask over round-0 keys, bool [B,1,T,T], or None when plain causal is exact.
-
-    With right padding (every row a prefix of real tokens) causal attention never lets a real query see
-    a pad key, so SDPA's is_causal suffices. Otherwise pad keys are hidden; every query keeps its own key
-    so a pad query's row is never empty (its output is masked out of the loss anyway)."""
-    valid = attention_mask.bool()
-    if bool((valid[:, 1:] <= valid[:, :-1]).all()):
-        return None
-    t = valid.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
-    eye = torch.eye(t, dtype=torch.bool, device=valid.device)
-    return (causal & valid[:, None, None, :]) | eye
 
 
 class TTTAttention:
@@ -115,7 +100,7 @@ def ttt_forward(head, batch: AlignedBatch, ttt_steps: int = TTT_STEPS) -> Iterat
     """Yield the pre-norm midlayer output [B,T,H] of each round; round i reads token t+1+i at position
     position_ids + i, and its output is the hidden input of round i+1."""
     hidden = head.fuse(batch.hidden)
-    attend = TTTAttention(round0_key_mask(batch.attention_mask))
+    attend = TTTAttention(padded_causal_mask(batch.attention_mask))
     for i in range(ttt_steps):
         hidden = head.layer(hidden, shift_left(batch.input_ids, i), batch.position_ids + i, attend)
         yield hidden

@@ -2,15 +2,18 @@
 answered through the OpenAI-compatible HTTP client (openai_backend.py) with one conversation per slot."""
 from __future__ import annotations
 
+import logging
 import subprocess
 from pathlib import Path
 from typing import Optional
 
 from pipeline.regen.openai_backend import make_managed
 
+log = logging.getLogger(__name__)
+
 
 def unavailable(cfg) -> Optional[str]:
-    from pipeline.regen.llama_server import binary_path, find_binary
+    from pipeline.regen.llama_server import BinaryMismatch, binary_path, checked_binary, find_binary
     from pipeline.target import resolve_device, resolve_source
 
     if cfg.target.chat_template:
@@ -21,17 +24,23 @@ def unavailable(cfg) -> Optional[str]:
         return f"target {cfg.target.name} is not a GGUF"
     if find_binary(cfg.regen.llamacpp, cfg.target) is None:
         return f"no llama-server at {binary_path(cfg.regen.llamacpp, cfg.target)} (make llama-server)"
+    try:
+        checked_binary(cfg.regen.llamacpp, cfg.target)
+    except BinaryMismatch as e:  # said aloud: `auto` then regenerates in-process, more slowly
+        log.warning("regen.backend=auto: not llamacpp: %s", e)
+        return str(e)
     return None
 
 
 def version(cfg=None) -> Optional[str]:
     from pipeline.regen.config import LlamaCppConfig
-    from pipeline.regen.llama_server import find_binary
+    from pipeline.regen.llama_server import checked_binary, find_binary
     from pipeline.target import TargetConfig
 
-    binary = find_binary(cfg.regen.llamacpp if cfg else LlamaCppConfig(), cfg.target if cfg else TargetConfig())
-    if binary is None:
+    lcfg, target = cfg.regen.llamacpp if cfg else LlamaCppConfig(), cfg.target if cfg else TargetConfig()
+    if find_binary(lcfg, target) is None:
         return None
+    binary = checked_binary(lcfg, target)  # it is executed: the same check as before serving
     out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
     line = next((x for x in (out.stdout + out.stderr).splitlines() if x.startswith("version")), "")
     return line.removeprefix("version:").strip() or None
@@ -50,18 +59,14 @@ def make(cfg, info):
 def start_server(cfg, info):
     from transformers import AutoConfig
 
-    from pipeline.regen.llama_server import LlamaServer, binary_path, find_binary
+    from pipeline.regen.llama_server import LlamaServer, checked_binary
     from pipeline.target import materialize, resolve_source
 
     kind, gguf = resolve_source(cfg.target)
     if kind != "gguf":
         raise ValueError(f"regen.backend=llamacpp serves a GGUF target; target {cfg.target.name} is a {kind} "
                          f"({cfg.target.path}): use regen.backend=hf")
-    binary = find_binary(cfg.regen.llamacpp, cfg.target)
-    if binary is None:
-        raise FileNotFoundError(f"no llama-server executable at {binary_path(cfg.regen.llamacpp, cfg.target)}: "
-                                "build it with `make llama-server` (or set regen.llamacpp.binary), or use "
-                                "regen.backend=hf")
+    binary = checked_binary(cfg.regen.llamacpp, cfg.target)  # its recorded sha256, before it is executed
     hf_config = AutoConfig.from_pretrained(materialize(cfg.target)[0], revision=cfg.target.revision)
     return LlamaServer(binary, Path(gguf), cfg.regen.llamacpp,
                        cfg.stage_dir("regen") / f"llama-server.rank{info.rank}.log",

@@ -12,9 +12,14 @@ in-flight requests go to the others, and a single server that restarts is waited
 fails after `max_retries` retries becomes a retryable `Failure`: its conversation stays pending, and a rerun
 asks it. An error that will not go away (an HTTP 400, say a prompt longer than the server's context) fails at
 once, for good. Standard library HTTP only, so nothing else needs installing.
+
+A base URL may carry credentials: `user:password@` is sent as HTTP Basic auth, a query (`?api_key=...`) is kept
+after each request's path, and `api_key_env` names the variable of a Bearer key. Messages, logs and records name
+a server by its redacted URL (pipeline/redact.py), so none of them holds the secret.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -23,10 +28,12 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
+from pipeline.redact import redact, redact_text, redact_url
 from pipeline.regen.batching import RegenItem
 from pipeline.regen.config import OpenAIBackendConfig
 from pipeline.regen.waves import Answer, Failure, Request
@@ -59,11 +66,25 @@ def base_urls(value) -> list[str]:
     return urls
 
 
+def endpoint(base: str, path: str) -> tuple[str, dict]:
+    """The URL of `path` on the server at `base`, and the headers of the credentials in it: urllib sends none
+    for a URL's `user:password@`, so it becomes HTTP Basic auth; a query stays after the path."""
+    parts = urllib.parse.urlsplit(base)
+    host, headers = parts.netloc, {}
+    if "@" in host:
+        userinfo, host = host.rsplit("@", 1)
+        headers["Authorization"] = "Basic " + base64.b64encode(urllib.parse.unquote(userinfo).encode()).decode()
+    url = urllib.parse.urlunsplit((parts.scheme, host, parts.path.rstrip("/") + path, parts.query, parts.fragment))
+    return url, headers
+
+
 class Server:
-    """One server's state in the pool: requests in flight, consecutive failures, down until when."""
+    """One server's state in the pool: requests in flight, consecutive failures, down until when. `shown`: its
+    URL as messages and logs name it (redacted)."""
 
     def __init__(self, url: str, concurrency: int):
         self.url, self.concurrency = url, concurrency
+        self.shown = redact_url(url)
         self.in_flight = 0
         self.failures = 0  # consecutive
         self.down_until = 0.0  # time.monotonic()
@@ -107,7 +128,7 @@ class ServerPool:
                 server.failures += 1
                 delay = min(60.0, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random())
                 server.down_until = max(server.down_until, time.monotonic() + delay)
-                log.debug("%s: %s (%s); down for %.1f s", server.url, error.reason, error.detail, delay)
+                log.debug("%s: %s (%s); down for %.1f s", server.shown, error.reason, error.detail, delay)
             self.cond.notify_all()
 
     def mark_down(self, server: Server, seconds: float) -> None:
@@ -142,29 +163,30 @@ class OpenAIBackend:
     def _http(self, url: str, method: str, path: str, body: Optional[dict] = None,
               timeout_s: Optional[float] = None) -> dict:
         timeout_s = timeout_s or self.cfg.timeout_s
-        headers = {"Content-Type": "application/json"}
+        url, credentials = endpoint(url, path)
+        headers = {"Content-Type": "application/json", **credentials}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(url + path, data=data, headers=headers, method=method)
+        req = urllib.request.Request(url, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            detail = e.read().decode("utf-8", "replace")[:500]
+            detail = redact_text(e.read().decode("utf-8", "replace")[:500])  # a server may echo the URL
             raise _RequestError(f"http_{e.code}", detail, retryable=e.code in RETRYABLE_STATUS) from None
         except (socket.timeout, TimeoutError) as e:
             raise _RequestError("timeout", f"no answer within {timeout_s:g} s ({e})") from None
         except urllib.error.URLError as e:
             if isinstance(e.reason, (socket.timeout, TimeoutError)):
                 raise _RequestError("timeout", f"no answer within {timeout_s:g} s") from None
-            raise _RequestError("connection_error", str(e.reason)) from None
+            raise _RequestError("connection_error", redact_text(str(e.reason))) from None
         except (ConnectionError, OSError) as e:  # reset mid-response, remote closed, ...
-            raise _RequestError("connection_error", str(e)) from None
+            raise _RequestError("connection_error", redact_text(str(e))) from None
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
-            raise _RequestError("bad_response", f"not JSON: {raw[:200]!r}") from None
+            raise _RequestError("bad_response", f"not JSON: {redact_text(repr(raw[:200]))}") from None
 
     def _with_retries(self, method: str, path: str, body: Optional[dict] = None,
                       timeout_s: Optional[float] = None) -> tuple[dict, int]:
@@ -178,7 +200,7 @@ class OpenAIBackend:
             except _RequestError as e:
                 pool.release(server, e, attempt)
                 e.attempts = attempt
-                e.detail = f"{server.url}: {e.detail}"
+                e.detail = f"{server.shown}: {e.detail}"
                 if not e.retryable or attempt > self.cfg.max_retries or self._own_server_died():
                     raise
                 continue
@@ -200,13 +222,13 @@ class OpenAIBackend:
         listings, errors = {}, {}
         for server in self.pool_of_servers.servers:
             try:  # a cheap call: a generous timeout even when generation timeouts are tight
-                listings[server.url] = self._http(server.url, "GET", "/models",
+                listings[server.shown] = self._http(server.url, "GET", "/models",
                                                   timeout_s=max(self.cfg.timeout_s, 10.0))
             except _RequestError as e:
-                errors[server.url] = f"{e.reason} ({e.detail})"
+                errors[server.shown] = f"{e.reason} ({e.detail})"
                 self.pool_of_servers.mark_down(server, self.cfg.backoff_s)
         if not listings:
-            raise ServerUnavailable(f"regen.openai.base_url={self.cfg.base_url}: "
+            raise ServerUnavailable(f"regen.openai.base_url={redact(self.cfg.base_url)}: "
                                     + "; ".join(f"{u}: {m}" for u, m in errors.items()))
         for url, message in errors.items():
             log.warning("regen: server %s does not answer (%s); the others take its requests", url, message)
