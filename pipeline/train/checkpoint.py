@@ -175,10 +175,10 @@ class CheckpointWriter:
                 snapshot = _Snapshot(head_state(head), head.config.to_dict(),
                                      None if par.deepspeed else _cpu_copy(optimizer.state_dict()),
                                      copy.deepcopy(scheduler.state_dict()), copy.deepcopy(trainer_state))
-        except Exception as e:  # e.g. a full disk, which rank 0 (the big files) meets first
+        except Exception as e:  # e.g. a full disk (the engine's partitions are large)
             error = e
         # Every rank learns of a failed write, so none waits at a barrier for a rank that gave up; the folder is
-        # removed once all have stopped writing into it.
+        # removed once all have stopped writing into it. (The main rank's own files fail in _publish: wait.)
         if par.any(error is not None):
             if par.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -218,7 +218,7 @@ class CheckpointWriter:
             for directory in {p.parent for p in tmp.rglob("*")} | {tmp}:
                 fsync_dir(directory)
             announce("checkpoint_written")
-            if final.exists():  # another write of this step (after a refused resume): its entry is replaced
+            if final.exists():  # an older write of this step: gone before the record names the new one
                 shutil.rmtree(final)
             _update_record(self.train_dir, final.name, files)
             announce("checkpoint_recorded")
