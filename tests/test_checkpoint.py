@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -152,7 +153,10 @@ def test_files_added_to_a_checkpoint_or_a_missing_record_are_refused(tmp_path, t
 
 def test_the_record_follows_the_kept_checkpoints(tmp_path, tiny_model):
     par = OneRank()
+    stale = tmp_path / f".{ckpt.RECORD}.99999.tmp"  # what a kill inside the record's write leaves
+    stale.write_text("{")
     writer = ckpt.CheckpointWriter(tmp_path, par, keep=2)
+    assert not stale.exists()
     model, optimizer, scheduler = training_state(tiny_model)
     for step in (2, 4, 6):
         writer.save(model, optimizer, scheduler, state(step))
@@ -271,3 +275,26 @@ def test_async_runs_killed_or_stopped_resume_to_the_same_losses(dump_root, tiny_
     assert record[latest] == file_digests(train_dir / ckpt.CHECKPOINTS / latest)  # whole and recorded
     main(as_config(d))
     assert_same_run(train_dir, reference)
+
+
+def test_two_processes_write_in_the_background_and_record_every_ranks_files(dump_root, tiny_model_dir):
+    """DDP over 2 processes with train.async_save: only the main rank has a writer thread, and every rank meets it
+    at the same waits (a rank that missed one would hang the all-reduce); the losses are one process's with the
+    same global batch (tests/test_train_ddp.py: 1e-5)."""
+    common = dict(max_steps=8, epochs=3, tau_prompts=0, async_save=True)
+    one = overrides(dump_root, tiny_model_dir, "eagle3", "one", grad_accum=2, **common)
+    main(as_config(one))
+    two = overrides(dump_root, tiny_model_dir, "eagle3", "two", grad_accum=1, **common)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = run_cli(two, env={"OMP_NUM_THREADS": "1"}, launcher=torchrun, timeout=180)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    ref, got = (train_losses(dump_root / EXPERIMENT / "train" / n) for n in ("one", "two"))
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    train_dir = dump_root / EXPERIMENT / "train" / "two"
+    record = ckpt.read_record(train_dir)
+    assert sorted(record) == ["step-4", "step-8"]
+    for name, files in record.items():
+        assert {"rng-rank0.pt", "rng-rank1.pt"} <= set(files)
+        assert files == file_digests(train_dir / ckpt.CHECKPOINTS / name)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.files import atomic_write_text, fsync_dir, replace_dir
+from pipeline.files import atomic_write_text, fsync_dir, replace_dir, stale_tmp_siblings
 from pipeline.heads.io import head_state, load_head_weights, write_head
 from pipeline.manifest import ManifestError, check_files, file_digests, file_problem
 
@@ -151,6 +151,9 @@ class CheckpointWriter:
         self._thread: Optional[threading.Thread] = None
         self._pending: Optional[Path] = None  # on every rank: the checkpoint whose write may still run
         self._error: Optional[BaseException] = None
+        if par.is_main:  # a temporary of the record left by a kill (one writer per train folder: pipeline/lock.py)
+            for stale in stale_tmp_siblings(self.train_dir / RECORD):
+                stale.unlink(missing_ok=True)
 
     def save(self, model: nn.Module, optimizer, scheduler, trainer_state: dict,
              announce: Callable[[str], None] = lambda event: None, wait: bool = False) -> Path:
