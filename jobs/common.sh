@@ -51,6 +51,16 @@ if [[ -n ${TP:-} ]]; then
   fi
 fi
 
+# GRACE: seconds a stopping train stage gets to write its checkpoint (default 300; a 70B head's checkpoint is
+# ~17 GB: size GRACE from bench/results/checkpoint.json, docs/cluster.md "Time limits and preemption").
+#  - The time-limit warning comes GRACE seconds ahead: submit with --signal=B:USR1@$GRACE (submit_chain.sh does
+#    when GRACE is set; train.sbatch's own line is the default's, 300).
+#  - torchrun forwards SIGTERM to its workers and SIGKILLs them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds,
+#    30 by default: too short for a large checkpoint, so GRACE here too (the pinned torch 2.13 reads it).
+# Preemption's own window (the partition's GraceTime, or KillWait) is the cluster's, not the job's.
+GRACE=${GRACE:-300}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$GRACE}
+
 # run_resumable <srun command...>: run the job's step so that the job survives time limits and preemption.
 #  - SIGUSR1 (`#SBATCH --signal=B:USR1@<s>`: the time limit is <s> seconds away) reaches only this shell.
 #    Ask every task to stop (SIGTERM: the trainer checkpoints and exits REQUEUE_EXIT_CODE; regen/dump

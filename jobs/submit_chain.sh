@@ -9,6 +9,7 @@
 #   jobs/submit_chain.sh experiment=<name> train.source=online            no dump job: train computes the states
 #   TRAIN_SBATCH="--nodes=4 --time=48:00:00" jobs/submit_chain.sh ...     sbatch options for one stage
 #                                                                        (REGEN_SBATCH, DUMP_SBATCH, ...)
+#   GRACE=900 jobs/submit_chain.sh experiment=<name>     train's checkpoint gets 900 s when stopped (jobs/common.sh)
 # Prints "<stage> <job id>" per job. Logs: jobs/logs/<job name>-<job id>.out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +26,11 @@ default_stages="regen dump train eval export"
 for stage in ${STAGES:-$default_stages}; do
   [[ -f jobs/$stage.sbatch ]] || { echo "submit_chain: no job script jobs/$stage.sbatch" >&2; exit 2; }
   per_stage="${stage^^}_SBATCH"
+  grace=()
+  [[ $stage == train && -n ${GRACE:-} ]] && grace=(--signal="B:USR1@$GRACE")
   # shellcheck disable=SC2086  # per-stage options are a word list on purpose
-  id=$(sbatch --parsable "${dependency[@]}" "${sbatch_options[@]}" ${!per_stage:-} "jobs/$stage.sbatch" "$@")
+  id=$(sbatch --parsable "${dependency[@]}" "${grace[@]}" "${sbatch_options[@]}" ${!per_stage:-} "jobs/$stage.sbatch" \
+    "$@")
   id=${id%%;*}  # --parsable prints "id" or "id;cluster"
   echo "$stage $id"
   dependency=(--dependency="afterok:$id" --kill-on-invalid-dep=yes)

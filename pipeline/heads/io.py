@@ -35,11 +35,17 @@ def head_state(head: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_head(head: nn.Module, directory: Path) -> None:
     """model.safetensors + head_config.json (DraftHeadConfig.to_dict(): rope_theta as trained)."""
+    write_head(head_state(head), head.config.to_dict(), directory)
+
+
+def write_head(state: dict[str, torch.Tensor], config: dict, directory: Path) -> None:
+    """`save_head` from a snapshot (`head_state`, `config.to_dict()`): what a background checkpoint write takes
+    while training goes on."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(head_state(head), str(directory / HEAD_WEIGHTS), metadata={"format": "pt"})
-    atomic_write_text(directory / HEAD_CONFIG, json.dumps(head.config.to_dict(), indent=2) + "\n")
+    save_file(state, str(directory / HEAD_WEIGHTS), metadata={"format": "pt"})
+    atomic_write_text(directory / HEAD_CONFIG, json.dumps(config, indent=2) + "\n")
 
 
 class NonFiniteWeights(ManifestError):

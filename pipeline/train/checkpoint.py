@@ -3,9 +3,14 @@
     <train dir>/checkpoints/step-N/   head (trainable weights + vocab maps), optimizer, scheduler, RNG states
                                       of every rank, trainer_state.json (step, data position); written to a
                                       temporary directory and renamed, so a step-N directory is always whole
+    <train dir>/checkpoints.json      the record of the checkpoints this folder's runs wrote: every file's size
+                                      and sha256, written before the rename; a resume checks against it
+                                      (check_checkpoint), never against the checkpoint's own list
     <train dir>/final/                the trained head (pipeline/heads/io.py): what export and eval load"""
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 import os
@@ -13,16 +18,20 @@ import random
 import re
 import shutil
 import signal
+import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from pipeline.files import atomic_write_text, fsync_dir, replace_dir
-from pipeline.heads.io import load_head_weights, save_head
-from pipeline.manifest import check_files, file_digests
+from pipeline.files import atomic_write_text, fsync_dir, replace_dir, stale_tmp_siblings
+from pipeline.heads.io import head_state, load_head_weights, write_head
+from pipeline.manifest import ManifestError, check_files, file_digests, file_problem
+
+from .parallel import DS_TAG
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +41,7 @@ REQUEUE_EXIT_CODE = 75
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
+RECORD = "checkpoints.json"  # in the train folder, beside checkpoints/ (read_record)
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -90,61 +100,241 @@ def latest_checkpoint(train_dir: Path) -> Optional[Path]:
     return dirs[-1] if dirs else None
 
 
-def save_checkpoint(train_dir: Path, par, model: nn.Module, optimizer, scheduler, trainer_state: dict,
-                    keep: int, before_rename=None) -> Path:
-    """Collective: every rank calls it. Rank 0 writes the head/optimizer/scheduler/state, every rank its RNG
-    state (and, under DeepSpeed, its optimizer partition) into a temporary directory that rank 0 then renames
-    to checkpoints/step-N and prunes to the last `keep`."""
+def read_record(train_dir: Path) -> dict[str, dict]:
+    """The train folder's record of the checkpoints its runs wrote: {"step-N": {file below it: {"bytes",
+    "sha256"}}}. Kept outside the checkpoint folders, so changing a checkpoint's files (and the list in its
+    trainer_state.json) does not change what it is checked against."""
+    path = Path(train_dir) / RECORD
+    return json.loads(path.read_text())["checkpoints"] if path.is_file() else {}
+
+
+def _update_record(train_dir: Path, name: Optional[str] = None, files: Optional[dict] = None) -> None:
+    """Rewrites the record with the entries of the checkpoint folders that exist, plus checkpoint `name`'s.
+    A checkpoint is recorded before its folder takes its name and unrecorded after its folder is pruned, so a
+    kill between two writes leaves at most an entry without a folder (harmless: the next write of that step
+    replaces it), never a folder without its entry."""
     root = Path(train_dir) / CHECKPOINTS
-    step = int(trainer_state["step"])
-    final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp"
-    if par.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    par.barrier()
-    error = None
-    try:
-        par.save_engine_state(model, tmp)
-        _torch_save(rng_state(), tmp / f"rng-rank{par.rank}.pt")
-        if par.is_main:
-            save_head(par.unwrap(model).head, tmp)
-            if not par.deepspeed:
-                _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
-            _torch_save(scheduler.state_dict(), tmp / SCHEDULER)
-    except Exception as e:  # e.g. a full disk, which rank 0 (the big files) meets first
-        error = e
-    # Every rank learns of a failed write, so none waits at a barrier for a rank that gave up; the folder is
-    # removed once all have stopped writing into it.
-    if par.any(error is not None):
+    kept = {n: f for n, f in read_record(train_dir).items() if n != name and (root / n).is_dir()}
+    if name is not None:
+        kept[name] = files
+    atomic_write_text(Path(train_dir) / RECORD, json.dumps({"checkpoints": kept}, indent=1) + "\n")
+
+
+class CheckpointWriteError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Snapshot:
+    """What the main rank writes, copied off the live training state into CPU memory: training may go on."""
+
+    head: dict
+    head_config: dict
+    optimizer: Optional[dict]  # None under DeepSpeed: the engine wrote its own partitions
+    scheduler: dict
+    trainer_state: dict
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints, at most one in flight.
+
+    `save` is collective: every rank writes its RNG state (and under DeepSpeed the engine its partitions) into
+    the checkpoint's temporary folder, and the main rank snapshots head, optimizer and scheduler into CPU
+    memory. The main rank then writes the snapshot, fsyncs and digests every file, adds the digests to the
+    record (RECORD) and renames the folder to checkpoints/step-N, then prunes to the last `keep`: before `save`
+    returns, or with `background` in a thread while training goes on (the loop waits for the snapshot only).
+    The next `save` and `wait` wait for it first, and a failed background write is raised there, on every
+    rank, naming the checkpoint. `close` waits without collectives (for a run that is failing anyway)."""
+
+    def __init__(self, train_dir: Path, par, keep: int, background: bool = False):
+        self.train_dir, self.par, self.keep, self.background = Path(train_dir), par, keep, background
+        self._thread: Optional[threading.Thread] = None
+        self._pending: Optional[Path] = None  # on every rank: the checkpoint whose write may still run
+        self._error: Optional[BaseException] = None
+        if par.is_main:  # a temporary of the record left by a kill (one writer per train folder: pipeline/lock.py)
+            for stale in stale_tmp_siblings(self.train_dir / RECORD):
+                stale.unlink(missing_ok=True)
+
+    def save(self, model: nn.Module, optimizer, scheduler, trainer_state: dict,
+             announce: Callable[[str], None] = lambda event: None, wait: bool = False) -> Path:
+        """`announce(event)` is called at "checkpoint_written" (the folder is complete, not yet recorded) and
+        "checkpoint_recorded" (recorded, not yet renamed); `wait`: return once the checkpoint is in place (a
+        stop request's, which must be whole before the process exits)."""
+        self.wait()
+        par = self.par
+        root = self.train_dir / CHECKPOINTS
+        step = int(trainer_state["step"])
+        final, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
         if par.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise error or RuntimeError(f"checkpoint {final}: the write failed on another rank")
-    # every rank's files are in place before the state file marks the checkpoint complete (par.any synced)
-    if par.is_main:
-        # The state file closes the checkpoint and records every other file's digest: a resume refuses a
-        # checkpoint whose bytes changed since (load_checkpoint).
-        _write_json(tmp / TRAINER_STATE, {**trainer_state, "files": file_digests(tmp)})
-        fsync_dir(tmp)
-        if before_rename is not None:
-            before_rename()
-        replace_dir(tmp, final)
-        for old in checkpoint_dirs(train_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        par.barrier()
+        error, snapshot = None, None
+        try:
+            par.save_engine_state(model, tmp)
+            _torch_save(rng_state(), tmp / f"rng-rank{par.rank}.pt")
+            if par.is_main:
+                head = par.unwrap(model).head
+                snapshot = _Snapshot(head_state(head), head.config.to_dict(),
+                                     None if par.deepspeed else _cpu_copy(optimizer.state_dict()),
+                                     copy.deepcopy(scheduler.state_dict()), copy.deepcopy(trainer_state))
+        except Exception as e:  # e.g. a full disk (the engine's partitions are large)
+            error = e
+        # Every rank learns of a failed write, so none waits at a barrier for a rank that gave up; the folder is
+        # removed once all have stopped writing into it. (The main rank's own files fail in _publish: wait.)
+        if par.any(error is not None):
+            if par.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error or RuntimeError(f"checkpoint {final}: the write failed on another rank")
+        self._pending, self._error = final, None
+        if par.is_main:
+            job = functools.partial(self._publish, snapshot, tmp, final, announce)
+            if self.background:
+                self._thread = threading.Thread(target=self._run, args=(job,), name=f"checkpoint {final.name}")
+                self._thread.start()
+            else:
+                self._run(job)
+        if wait or not self.background:
+            self.wait()
+        return final
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # kept for wait(), which raises it on the main thread
+            self._error = e
+
+    def _publish(self, snapshot: _Snapshot, tmp: Path, final: Path, announce: Callable[[str], None]) -> None:
+        """Main rank: the snapshot's files, then fsync, digests, record, rename, prune."""
+        try:
+            write_head(snapshot.head, snapshot.head_config, tmp)
+            if snapshot.optimizer is not None:
+                _torch_save(snapshot.optimizer, tmp / OPTIMIZER)
+            _torch_save(snapshot.scheduler, tmp / SCHEDULER)
+            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):  # the engine's and other ranks' too
+                _fsync(path)
+            # The state file closes the checkpoint; its list of the other files is for older eaglets and people:
+            # a resume checks against the record, which also holds the state file's own digest.
+            files = file_digests(tmp)
+            _write_json(tmp / TRAINER_STATE, {**snapshot.trainer_state, "files": files})
+            files.update(file_digests(tmp, [TRAINER_STATE]))
+            for directory in {p.parent for p in tmp.rglob("*")} | {tmp}:
+                fsync_dir(directory)
+            announce("checkpoint_written")
+            if final.exists():  # an older write of this step: gone before the record names the new one
+                shutil.rmtree(final)
+            _update_record(self.train_dir, final.name, files)
+            announce("checkpoint_recorded")
+            replace_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if pruned := checkpoint_dirs(self.train_dir)[:-self.keep] if self.keep > 0 else []:
+            for old in pruned:
+                shutil.rmtree(old, ignore_errors=True)
+            _update_record(self.train_dir)
         log.info("checkpoint %s", final)
-    par.barrier()
-    return final
+
+    def wait(self) -> Optional[Path]:
+        """Collective: returns once the pending checkpoint is in place (its path; None if none was pending), or
+        raises on every rank if its write failed."""
+        pending = self._pending
+        if pending is None:
+            return None
+        error = self._join()
+        self._pending = None
+        if self.par.any(error is not None):
+            if error is None:
+                raise CheckpointWriteError(f"checkpoint {pending}: the write failed on the main rank")
+            if not self.background:
+                raise error
+            raise CheckpointWriteError(f"checkpoint {pending}: the background write failed: "
+                                       f"{type(error).__name__}: {error}") from error
+        return pending
+
+    def close(self) -> None:
+        """Lets a pending write finish (no collectives: for the exit of a run that failed); its error is logged."""
+        if self._pending is not None and (error := self._join()) is not None:
+            log.error("checkpoint %s: the background write failed: %s: %s", self._pending, type(error).__name__, error)
+        self._pending = None
+
+    def _join(self) -> Optional[BaseException]:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        return error
+
+
+def _cpu_copy(obj):
+    """A copy of a state dict whose tensors are CPU copies (`.to` alone would alias CPU tensors, which the
+    optimizer goes on updating in place)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class CheckpointRefused(ManifestError):
+    pass
+
+
+def check_checkpoint(path: Path, par, verify: bool) -> None:
+    """Before anything of checkpoint `path` is loaded (every rank): its files against the train folder's record
+    (RECORD), every file of the folder, the hashing split over the ranks. DeepSpeed's files (DS_TAG/) load by
+    unpickling, which runs whatever code a file holds, so a checkpoint that has them resumes only checked
+    against the record: not unrecorded, not with verify off. The other files load as plain tensors
+    (weights_only, safetensors, JSON), so an unrecorded checkpoint without them (an older eaglet's) is checked
+    against its own list, as before the record existed."""
+    path = Path(path)
+    train_dir = path.parent.parent
+    record = train_dir / RECORD
+    pickled = par.deepspeed or (path / DS_TAG).exists()
+    repair = f"delete {path} and rerun: training resumes from the checkpoint before it, or from the start"
+    if pickled and not verify:
+        raise CheckpointRefused(
+            f"checkpoint {path} holds DeepSpeed's files ({DS_TAG}/), which load by unpickling, and unpickling a "
+            f"changed file runs whatever code it holds; train.verify_inputs=false would load them unchecked. Rerun "
+            f"with train.verify_inputs=true (the default: it reads the checkpoint once) to check them against "
+            f"{record} first")
+    recorded = read_record(train_dir).get(path.name)
+    if recorded is None:
+        if pickled:
+            raise CheckpointRefused(
+                f"checkpoint {path} is not in {record}, the record of the checkpoints this folder's runs wrote (it "
+                f"was copied in, or written by an eaglet older than the record): its DeepSpeed files load by "
+                f"unpickling, which runs whatever code they hold, and nothing vouches for them. If you trust them, "
+                f"resume elsewhere; else {repair}")
+        log.warning("checkpoint %s is not in %s (an older eaglet wrote it, or it was copied in); its files load as "
+                    "plain tensors, checked against its own list", path, record)
+        if verify and "files" in (state := json.loads((path / TRAINER_STATE).read_text())):
+            check_files(path, state["files"], "checkpoint", repair)
+        return
+    if not verify:
+        return
+    on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
+    names = sorted(on_disk | set(recorded))
+    problems = []
+    for name in names[par.rank::par.world_size]:
+        if name not in recorded:
+            problems.append(f"{name}: not written by this run (absent from its record)")
+        elif problem := file_problem(path / name, recorded[name]["bytes"], recorded[name]["sha256"]):
+            problems.append(f"{name}: {problem}")
+    if par.any(bool(problems)):  # every rank stops before any loads
+        found = "; ".join(problems) if problems else "a file differs (named in another rank's log)"
+        raise CheckpointRefused(f"checkpoint {path}: {found}, against {record}; {repair}")
 
 
 def load_checkpoint(path: Path, par, model: nn.Module, optimizer, scheduler, verify: bool = True) -> dict:
-    """Restore what `save_checkpoint` wrote into an already prepared model/optimizer; returns trainer_state.
-    `verify`: first check every file against the digests in its trainer_state.json (older checkpoints have
-    none), so a corrupt checkpoint stops the run, named, instead of resuming from garbage."""
+    """Restore what `CheckpointWriter` wrote into an already prepared model/optimizer; returns trainer_state.
+    First `check_checkpoint` (`verify`: the digests), so a corrupt or changed checkpoint stops the run, named,
+    before anything of it is loaded."""
     path = Path(path)
+    check_checkpoint(path, par, verify)
     state = json.loads((path / TRAINER_STATE).read_text())
-    if verify and "files" in state:
-        check_files(path, state["files"], "checkpoint",
-                    f"delete {path} and rerun: training resumes from the checkpoint before it, or from the start")
     load_head_weights(par.unwrap(model).head, path)
     if par.deepspeed:
         par.load_engine_state(model, path)
@@ -196,6 +386,15 @@ def _torch_save(obj, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    """Makes a file's bytes durable whoever wrote it (DeepSpeed's engine and other ranks do not fsync)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_json(path: Path, obj) -> None:

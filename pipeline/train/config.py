@@ -68,6 +68,10 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 200  # checkpoint (and real-tau decode) every N optimizer steps; 0: only at the end
     keep_checkpoints: int = 2  # the last K checkpoints are kept
+    # Write scheduled checkpoints in a background thread from a CPU-memory snapshot: the loop waits for the
+    # snapshot only (a large head's save takes seconds to minutes; bench/bench_checkpoint.py). A stop request's
+    # checkpoint is whole before exit either way; a kill -9 during a background write resumes from the one before.
+    async_save: bool = False
     eval_every: int = 200  # validation loss/accuracy every N steps (and at the end); 0: only at the end
     val_max_batches: Optional[int] = None  # cap on validation micro-batches per evaluation
     log_every: int = 10  # console lines; metrics.jsonl and W&B get every step

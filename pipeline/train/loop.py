@@ -8,6 +8,7 @@ scheduler and RNG states exactly, so a resumed run repeats the uninterrupted run
 processes with grad_accum=g/N repeat one process with grad_accum=g (same micro-batches per step)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -172,7 +173,9 @@ class TauProbe:
 #   "step_done"       step N's optimizer step is done, before anything is logged or saved
 #   "step_logged"     step N's metrics are written (a checkpoint at N, if any, comes after)
 #   "tau_decoding"    step N's real-tau decode starts (after step N's checkpoint)
-#   "checkpoint_written"  step N's checkpoint is complete in its temporary directory, not yet renamed
+#   "checkpoint_written"  step N's checkpoint is complete in its temporary directory, not yet recorded
+#   "checkpoint_recorded" step N's checkpoint is in the record (checkpoint.RECORD), not yet renamed
+#   (the two checkpoint events come from the writer's thread under train.async_save)
 TrainerHook = Callable[[str, int], None]
 
 
@@ -254,10 +257,11 @@ class Trainer:
         self.model, self.optimizer = par.prepare(objective, optimizer)
         self.step = 0
         self.skipped = dict.fromkeys(SKIP_COUNTS, 0)  # under on_nonfinite=skip; checkpointed
+        self.saver = ckpt.CheckpointWriter(train_dir, par, cfg.keep_checkpoints, background=cfg.async_save)
 
-    def announce(self, event: str) -> None:
+    def announce(self, event: str, step: Optional[int] = None) -> None:
         for hook in self.hooks:
-            hook(event, self.step)
+            hook(event, self.step if step is None else step)
 
     # -- data --------------------------------------------------------------------------------------------------
     def locate(self, step: int) -> tuple[int, int]:
@@ -478,10 +482,11 @@ class Trainer:
                                "bucket_size": cfg.bucket_size, "max_length": cfg.max_length,
                                "micro_per_step": self.schedule.micro_per_step}}
 
-    def save(self) -> Path:
-        return ckpt.save_checkpoint(self.train_dir, self.par, self.model, self.optimizer, self.scheduler,
-                                    self.trainer_state(), self.cfg.keep_checkpoints,
-                                    before_rename=lambda: self.announce("checkpoint_written"))
+    def save(self, wait: bool = False) -> Path:
+        """Step N's checkpoint; under train.async_save written on while training goes on, unless `wait`."""
+        step = self.step  # the writer's thread announces after the loop has moved on
+        return self.saver.save(self.model, self.optimizer, self.scheduler, self.trainer_state(),
+                               announce=lambda event: self.announce(event, step), wait=wait)
 
     def resume(self) -> Optional[Path]:
         path = ckpt.latest_checkpoint(self.train_dir) if self.cfg.resume else None
@@ -552,7 +557,7 @@ class Trainer:
         stopped_early = last_saved is not None and self.patience_spent()  # a rerun of a run that stopped early
         if self.step == 0:  # step-0 reference of the validation curves (no decode: an untrained head's tau is ~1)
             self.metrics.log(0, self.validate())
-        with ckpt.StopRequest() as stop:
+        with ckpt.StopRequest() as stop, contextlib.closing(self.saver):
             while self.step < self.total_steps and not stopped_early:
                 metrics = self.train_step()
                 self.announce("step_done")
@@ -566,7 +571,9 @@ class Trainer:
                 if self.par.is_main and (self.step % max(cfg.log_every, 1) == 0 or done or self.step == 1):
                     log.info("step %d/%d %s", self.step, self.total_steps, _fmt(metrics))
                 if done or stopping or self.probe_due(self.step):
-                    self.save()  # first: a preempted or killed decode never costs the steps since the last one
+                    # first: a preempted or killed decode never costs the steps since the last one; a stop request's
+                    # is whole before the process exits
+                    self.save(wait=stopping)
                     last_saved = self.step
                     if not stopping:  # a stop request exits fast; the resumed run decodes (_probe_if_missing)
                         self.log_real_tau()
@@ -578,8 +585,9 @@ class Trainer:
                     log.warning("stopped at step %d (checkpoint saved); exiting with %d for requeue",
                                 self.step, ckpt.REQUEUE_EXIT_CODE)
                     raise StopForRequeue()
-        if last_saved != self.step:  # resumed from the final checkpoint with nothing left to do
-            self.save()
+            if last_saved != self.step:  # resumed from the final checkpoint with nothing left to do
+                self.save()
+            self.saver.wait()
         return self.final_metrics()
 
     def final_metrics(self) -> dict:

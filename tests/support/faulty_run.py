@@ -2,7 +2,8 @@
 `python -m pipeline.run` with a trainer hook (pipeline/train/loop.py TrainerHook) that sends this process SIGNAL
 when the trainer announces <event> at <step>, so an interruption lands at a chosen point. Events: step_done
 (during step N, before its metrics are logged), step_logged (after step N is logged), tau_decoding (as step N's
-real-tau decode starts), checkpoint_written (inside step N's checkpoint write, before the rename)."""
+real-tau decode starts), checkpoint_written (inside step N's checkpoint write, before its record),
+checkpoint_recorded (after its record, before the rename)."""
 import os
 import signal
 import sys
