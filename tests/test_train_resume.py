@@ -165,6 +165,7 @@ def test_a_checkpoint_without_a_recorded_schedule_resumes_as_before_and_a_consta
     for key in ("schedule", "schedule_changes"):  # as an older eaglet wrote it (the file holds the digests)
         del state[key]
     state_file.write_text(json.dumps(state))
+    (train_dir / ckpt.RECORD).unlink()  # an older eaglet kept no record outside the checkpoint either
     with caplog.at_level("WARNING"):
         main(as_config({**d, "train.max_steps": 6, "train.lr": 1e-3}))
     assert "does not record its lr schedule" in caplog.text
