@@ -75,7 +75,10 @@ install-llama-cpp: install
 # record (built before it was kept) is built again.
 LLAMA_DIR := $(or $(EAGLET_CACHE),$(HOME)/.cache/eaglet)/llama.cpp
 LLAMA_SERVER := $(LLAMA_DIR)/bin/llama-server
-llama-server: $(LLAMA_SERVER).sha256
+# A record without its binary (a cache that lost the binary) is dropped first, so the binary is built again.
+llama-server:
+	@[ -x $(LLAMA_SERVER) ] || rm -f $(LLAMA_SERVER).sha256
+	@$(MAKE) --no-print-directory $(LLAMA_SERVER).sha256
 $(LLAMA_SERVER).sha256:
 	mkdir -p $(LLAMA_DIR)/src
 	$(PIP) download --no-deps --no-binary :all: -c constraints.txt -d $(LLAMA_DIR)/src llama-cpp-python

@@ -25,6 +25,7 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -157,20 +158,42 @@ class FileLock:
     def acquire(self) -> Optional[dict]:
         """Takes the lock (None) or returns the live holder's record. A gone holder's lock is taken over."""
         for _ in range(3):  # a take-over frees the name, and another process may create it first
+            if self._create():
+                self._beat = threading.Thread(target=self._heartbeat, name=f"lock-heartbeat {self.path}",
+                                              daemon=True)
+                self._beat.start()
+                return None
+            try:
+                inode = self.path.stat().st_ino
+            except FileNotFoundError:
+                continue
+            holder = _holder(self.path)
+            if not self.gone(holder):
+                return holder
+            self.break_stale(holder, inode)
+        return _holder(self.path) or {"pid": None, "host": None, "command": "(taking over a stale lock)"}
+
+    def _create(self) -> bool:
+        """Creates the lock file with its whole record in one step (a hard link of a written temporary fails
+        if the name exists), so no process ever sees a held lock without its record; where the file system
+        has no hard links, O_EXCL then a write. False if it exists."""
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{self.record['token'][:8]}.new")
+        tmp.write_text(json.dumps(self.record))
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
-                holder = _holder(self.path)
-                if not self.gone(holder):
-                    return holder
-                self.break_stale(holder)
-                continue
+                return False
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self.record))
-            self._beat = threading.Thread(target=self._heartbeat, name=f"lock-heartbeat {self.path}", daemon=True)
-            self._beat.start()
-            return None
-        return _holder(self.path)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def gone(self, holder: dict) -> bool:
         """Whether the lock's holder has stopped: on this host, its process is dead; on another, its heartbeat
@@ -196,9 +219,9 @@ class FileLock:
                     _describe(holder), self.stale_s)
         return True
 
-    def break_stale(self, holder: dict) -> None:
-        """Removes the lock file of a gone holder, unless it changed meanwhile (another process took it over
-        and holds it now): take-overs are serialized by a second O_EXCL file, held for a moment."""
+    def break_stale(self, holder: dict, inode: int) -> None:
+        """Removes the lock file of a gone holder, unless it is another file by now (another process took
+        it over and holds it): take-overs are serialized by a second O_EXCL file, held for a moment."""
         breaker = self.path.with_name(self.path.name + ".break")
         try:
             fd = os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -210,21 +233,31 @@ class FileLock:
             return
         os.close(fd)
         try:
-            if _holder(self.path).get("token") == holder.get("token"):
-                with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                if self.path.stat().st_ino == inode and _holder(self.path).get("token") == holder.get("token"):
                     self.path.unlink()
         finally:
             breaker.unlink()
 
     def _heartbeat(self) -> None:
+        """Touches the lock file every stale time / 4. A read or touch that fails (a passing NFS error) is tried
+        again at the next beat; only another run's record in the file means the lock was taken over (this
+        process stood still for the stale time: suspended, or cut off from the file system): then the run is
+        stopped as a stop signal stops it, since two runs must not write one folder."""
         interval = max(self.stale_s / 4, 0.05)
         while not self._stop.wait(interval):
-            if _holder(self.path).get("token") != self.record["token"]:
+            try:
+                holder = json.loads(self.path.read_text())
+            except FileNotFoundError:
+                holder = {}
+            except (OSError, ValueError):
+                continue
+            if holder.get("token") != self.record["token"]:
                 log.error("%s: this run's lock was taken over by %s (no heartbeat for %.0f s: was the process "
-                          "suspended?); two runs may now write this folder", self.path.parent,
-                          _describe(_holder(self.path)), self.stale_s)
+                          "suspended?); stopping this run", self.path.parent, _describe(holder), self.stale_s)
+                os.kill(os.getpid(), signal.SIGTERM)
                 return
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.utime(self.path)
 
     def live_holder(self) -> Optional[dict]:
@@ -260,13 +293,21 @@ class OutputLock:
     def __enter__(self) -> "OutputLock":
         self.dir.mkdir(parents=True, exist_ok=True)
         me = _holder_record(self.stage)
+        held = self.dir / f"{LOCK_PREFIX}{self.rank.rank}{HELD_SUFFIX}"
         if self.mode != "file" and not self._take_flock(me):
             self.mode = "file"
         if self.mode == "file":
-            self._file = FileLock(self.dir / f"{LOCK_PREFIX}{self.rank.rank}{HELD_SUFFIX}", me)
+            self._file = FileLock(held, me)
             if (holder := self._file.acquire()) is not None:
                 self._file = None
                 self._refuse(holder)
+        # A run of the other kind (EAGLET_LOCK=file in a job, auto in an interactive rerun) holds the folder too:
+        # each kind looks at the other's lock before writing.
+        other = (_holder(self.path) if _flock_held_by_other(self.path) else None) if self.mode == "file" \
+            else FileLock(held, {}).live_holder()
+        if other is not None:
+            self.__exit__()
+            self._refuse(other)
         if self.rank.rank > 0 and me["job"] is not None:
             self._check_rank0(me["job"])
         return self

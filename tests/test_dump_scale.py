@@ -124,8 +124,9 @@ def test_a_requeued_run_does_not_rehash_and_a_changed_shard_is_refused(dump_root
     manifest_bytes = (dump_dir / "manifest.json").read_bytes()
 
     def train(max_steps: int):
+        # constant: the requeued run trains on to more steps under the same schedule (a cosine's would change)
         d = overrides(root, tiny_model_dir, "eagle3", "h", epochs=1, max_steps=max_steps, save_every=1,
-                      eval_every=0, tau_prompts=0, plot=False)
+                      eval_every=0, tau_prompts=0, plot=False, schedule="constant")
         with caplog.at_level(logging.INFO, logger="pipeline.train.run"):
             train_main(as_config(d))
 

@@ -110,8 +110,8 @@ def test_without_flock_a_heartbeat_file_holds_and_a_killed_holder_is_taken_over_
         assert record["pid"] == holder.ranks[0] and record["host"] == socket.gethostname()
         refused = try_lock(tmp_path, NO_FLOCK)
         assert refused.returncode == 3 and f"pid {holder.ranks[0]}" in refused.stdout
-        # with flock working, a second run still meets the heartbeat file of the first (a mixed cluster)
-        assert try_lock(tmp_path, {"EAGLET_LOCK": "file"}).returncode == 3
+        # with flock working (auto), a second run still meets the heartbeat file of the first (a mixed cluster)
+        assert try_lock(tmp_path, {}).returncode == 3
     finally:
         stop(holder)  # kill -9: the file stays behind, its holder is dead
     assert held.exists()
@@ -119,6 +119,18 @@ def test_without_flock_a_heartbeat_file_holds_and_a_killed_holder_is_taken_over_
     again = try_lock(tmp_path, NO_FLOCK)
     assert again.returncode == 0 and again.stdout.startswith("locked rank 0"), again.stdout + again.stderr
     assert time.monotonic() - t0 < 30 and not held.exists()
+
+
+def test_a_file_locked_run_and_a_flocked_run_see_each_other(tmp_path):
+    """EAGLET_LOCK=file in a job, the default in an interactive rerun on the same folder (or the reverse)."""
+    for holder_env, second_env in (({"EAGLET_LOCK": "file"}, {}), ({}, {"EAGLET_LOCK": "file"})):
+        holder = hold(tmp_path, env=holder_env)
+        try:
+            refused = try_lock(tmp_path, second_env)
+            assert refused.returncode == 3 and f"pid {holder.ranks[0]}" in refused.stdout, refused.stdout
+        finally:
+            stop(holder)
+        assert try_lock(tmp_path, second_env).returncode == 0  # the killed holder's lock, of either kind, is free
 
 
 def test_flock_mode_refuses_to_run_unprotected(tmp_path):
@@ -169,3 +181,21 @@ def test_a_lock_from_another_node_is_kept_while_it_beats_and_taken_over_once_it_
         time.sleep(0.6)
         assert held.stat().st_mtime_ns > beat0  # this run's heartbeat
     assert not held.exists()
+
+
+def test_a_run_whose_lock_was_taken_over_stops_and_a_passing_read_error_does_not_stop_it(tmp_path):
+    env = {**NO_FLOCK, "EAGLET_LOCK_STALE_S": "0.4"}  # a beat every 0.1 s
+    holder = hold(tmp_path, env=env)
+    held = tmp_path / f"{LOCK_PREFIX}0{HELD_SUFFIX}"
+    try:
+        record = held.read_text()
+        held.write_text("{not json")  # what a torn read looks like: tried again at the next beat
+        time.sleep(0.5)
+        held.write_text(record)
+        time.sleep(0.5)
+        assert holder.poll() is None
+        held.write_text(json.dumps({**json.loads(record), "token": "another run"}))  # taken over
+        assert holder.wait(timeout=10) == -signal.SIGTERM  # stopped as a stop signal stops it
+    finally:
+        if holder.poll() is None:
+            stop(holder)
