@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pipeline.heads import DraftHeadConfig, build_draft_head
-from pipeline.manifest import check_files, disk_full, file_digests
+from pipeline.manifest import ManifestError, check_files, disk_full, file_digests
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.parallel import DS_TAG
 from pipeline.train.run import main
@@ -149,6 +149,47 @@ def test_files_added_to_a_checkpoint_or_a_missing_record_are_refused(tmp_path, t
     with pytest.raises(ckpt.CheckpointRefused, match=r"step-4 is not in .*checkpoints\.json.*unpickling"):
         ckpt.load_checkpoint(path, par, *training_state(tiny_model))
     assert par.engine_loads == 0 and not (tmp_path / "code-ran").exists()
+
+
+def test_a_symlink_in_a_checkpoint_is_refused(tmp_path, tiny_model):
+    """A linked folder hides its files from the check (os.walk and rglob do not descend into it), and DeepSpeed
+    globs its partitions there: an extra pickle behind the link would load unchecked."""
+    par = OneRank(deepspeed=True)
+    path = ckpt.CheckpointWriter(tmp_path / "run", par, keep=2).save(*training_state(tiny_model), state(4))
+    elsewhere = tmp_path / "elsewhere"
+    (path / DS_TAG).rename(elsewhere)
+    torch.save(Payload(tmp_path / "code-ran"), elsewhere / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    (path / DS_TAG).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ckpt.CheckpointRefused, match=rf"{DS_TAG} is a symbolic link"):
+        ckpt.load_checkpoint(path, par, *training_state(tiny_model))
+    assert par.engine_loads == 0 and not (tmp_path / "code-ran").exists()
+
+
+def test_an_unrecorded_deepspeed_checkpoint_is_adopted_only_when_its_own_list_holds(tmp_path, tiny_model):
+    """An older eaglet's DeepSpeed checkpoint has no record entry: refused on resume, naming `adopt`, which
+    records it after checking it against its own list (and refuses a file beyond that list)."""
+    par = OneRank(deepspeed=True)
+    path = ckpt.CheckpointWriter(tmp_path, par, keep=2).save(*training_state(tiny_model), state(4))
+    (tmp_path / ckpt.RECORD).unlink()
+    with pytest.raises(ckpt.CheckpointRefused, match=rf"python -m pipeline.train.checkpoint adopt {path}"):
+        ckpt.load_checkpoint(path, par, *training_state(tiny_model))
+    extra = path / DS_TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save(Payload(tmp_path / "code-ran"), extra)
+    with pytest.raises(ckpt.CheckpointRefused, match=r"zero_pp_rank_1_.* not in its own list"):
+        ckpt.main(["adopt", str(path)])
+    extra.unlink()
+    torch.save(Payload(tmp_path / "code-ran"), path / DS_FILE)  # a changed file: its own list says otherwise
+    with pytest.raises(ManifestError, match=rf"{DS_FILE}: .*cannot be adopted"):
+        ckpt.adopt(path)
+    assert not (tmp_path / ckpt.RECORD).exists()
+
+    fresh = tmp_path / "fresh"  # an intact one is adopted, then resumes
+    path = ckpt.CheckpointWriter(fresh, par, keep=2).save(*training_state(tiny_model), state(4))
+    (fresh / ckpt.RECORD).unlink()
+    ckpt.main(["adopt", str(path)])
+    assert ckpt.read_record(fresh)["step-4"] == file_digests(path)
+    ckpt.load_checkpoint(path, par, *training_state(tiny_model, seed=1))
+    assert par.engine_loads == 1 and not (tmp_path / "code-ran").exists()
 
 
 def test_the_record_follows_the_kept_checkpoints(tmp_path, tiny_model):

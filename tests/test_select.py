@@ -48,3 +48,29 @@ def test_select_tau_needs_the_probe_and_patience_needs_select_tau():
         TrainConfig(select="tau", tau_prompts=0)
     with pytest.raises(ValueError, match="needs train.select=tau"):
         TrainConfig(patience=2)
+
+
+def test_with_async_saves_best_never_runs_ahead_of_the_checkpoints(dump_root, tiny_model_dir,  # noqa: F811
+                                                                    monkeypatch):
+    """train.async_save writes a checkpoint while the loop goes on: a kill before step N's write is in place
+    resumes before N, so best/ must not hold step N's head by then. A slow disk is stood in for by a hook that
+    holds the writer's thread after the files are written: best/ must still be an earlier step's meanwhile."""
+    import time
+
+    taus = iter([1.1, 1.3, 1.5, 1.7])  # every probe is the best so far
+    monkeypatch.setattr(TauProbe, "__call__", lambda self, head: {"eval/tau": next(taus), "eval/decode_s": 0.0})
+    d = overrides(dump_root, tiny_model_dir, "eagle3", "select-async", save_every=2, max_steps=8, tau_prompts=1,
+                  select="tau", async_save=True)
+    cfg = as_config(d)
+    best = cfg.stage_dir("train") / "best" / "selected.json"
+    seen = {}
+
+    def slow_disk(event, step):
+        if event == "checkpoint_written":
+            time.sleep(0.5)  # the loop meanwhile decodes step N's tau (scripted: at once) and would keep best/
+            seen[step] = json.loads(best.read_text())["step"] if best.exists() else None
+
+    main(cfg, hooks=[slow_disk])
+    assert sorted(seen) == [2, 4, 6, 8]
+    assert all(kept is None or kept < step for step, kept in seen.items()), seen
+    assert json.loads(best.read_text())["step"] == 8

@@ -118,6 +118,17 @@ def _update_record(train_dir: Path, name: Optional[str] = None, files: Optional[
     if name is not None:
         kept[name] = files
     atomic_write_text(Path(train_dir) / RECORD, json.dumps({"checkpoints": kept}, indent=1) + "\n")
+    fsync_dir(Path(train_dir))  # the record's rename is durable before the checkpoint's folder takes its name
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Removes a checkpoint folder so that a kill midway leaves no half of it under its name (a partial
+    step-N that the record still names would be refused on resume): renamed aside first, then deleted; a
+    kill's leftover is deleted when the next writer starts."""
+    gone = path.with_name(f".{path.name}.del")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -151,9 +162,11 @@ class CheckpointWriter:
         self._thread: Optional[threading.Thread] = None
         self._pending: Optional[Path] = None  # on every rank: the checkpoint whose write may still run
         self._error: Optional[BaseException] = None
-        if par.is_main:  # a temporary of the record left by a kill (one writer per train folder: pipeline/lock.py)
-            for stale in stale_tmp_siblings(self.train_dir / RECORD):
+        if par.is_main:  # what a kill left (one writer per train folder: pipeline/lock.py): a temporary of the
+            for stale in stale_tmp_siblings(self.train_dir / RECORD):  # record, checkpoints half removed
                 stale.unlink(missing_ok=True)
+            for stale in (self.train_dir / CHECKPOINTS).glob(".step-*.del"):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def save(self, model: nn.Module, optimizer, scheduler, trainer_state: dict,
              announce: Callable[[str], None] = lambda event: None, wait: bool = False) -> Path:
@@ -222,7 +235,7 @@ class CheckpointWriter:
                 fsync_dir(directory)
             announce("checkpoint_written")
             if final.exists():  # an older write of this step: gone before the record names the new one
-                shutil.rmtree(final)
+                _remove_checkpoint(final)
             _update_record(self.train_dir, final.name, files)
             announce("checkpoint_recorded")
             replace_dir(tmp, final)
@@ -231,7 +244,7 @@ class CheckpointWriter:
             raise
         if pruned := checkpoint_dirs(self.train_dir)[:-self.keep] if self.keep > 0 else []:
             for old in pruned:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove_checkpoint(old)
             _update_record(self.train_dir)
         log.info("checkpoint %s", final)
 
@@ -300,14 +313,16 @@ def check_checkpoint(path: Path, par, verify: bool) -> None:
             f"changed file runs whatever code it holds; train.verify_inputs=false would load them unchecked. Rerun "
             f"with train.verify_inputs=true (the default: it reads the checkpoint once) to check them against "
             f"{record} first")
+    on_disk = _checkpoint_files(path)
     recorded = read_record(train_dir).get(path.name)
     if recorded is None:
         if pickled:
             raise CheckpointRefused(
                 f"checkpoint {path} is not in {record}, the record of the checkpoints this folder's runs wrote (it "
                 f"was copied in, or written by an eaglet older than the record): its DeepSpeed files load by "
-                f"unpickling, which runs whatever code they hold, and nothing vouches for them. If you trust them, "
-                f"resume elsewhere; else {repair}")
+                f"unpickling, which runs whatever code they hold, and nothing vouches for them. If you wrote it "
+                f"and trust it: python -m pipeline.train.checkpoint adopt {path} (checks it against its own list "
+                f"and records it), then rerun; else {repair}")
         log.warning("checkpoint %s is not in %s (an older eaglet wrote it, or it was copied in); its files load as "
                     "plain tensors, checked against its own list", path, record)
         if verify and "files" in (state := json.loads((path / TRAINER_STATE).read_text())):
@@ -315,7 +330,6 @@ def check_checkpoint(path: Path, par, verify: bool) -> None:
         return
     if not verify:
         return
-    on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
     names = sorted(on_disk | set(recorded))
     problems = []
     for name in names[par.rank::par.world_size]:
@@ -326,6 +340,42 @@ def check_checkpoint(path: Path, par, verify: bool) -> None:
     if par.any(bool(problems)):  # every rank stops before any loads
         found = "; ".join(problems) if problems else "a file differs (named in another rank's log)"
         raise CheckpointRefused(f"checkpoint {path}: {found}, against {record}; {repair}")
+
+
+def _checkpoint_files(path: Path) -> set[str]:
+    """Every file below checkpoint `path` (relative names). A symbolic link is refused: a linked folder would
+    hide its files from the check (and DeepSpeed loads its partitions by glob), a linked file points outside
+    what was written."""
+    names = set()
+    for root, dirs, files in os.walk(path, followlinks=False):
+        for name in dirs + files:
+            if os.path.islink(os.path.join(root, name)):
+                raise CheckpointRefused(f"checkpoint {path}: {os.path.relpath(os.path.join(root, name), path)} is a "
+                                        f"symbolic link; a checkpoint holds only the files its run wrote")
+        names.update(os.path.relpath(os.path.join(root, f), path) for f in files)
+    return names
+
+
+def adopt(path: Path) -> dict:
+    """Records checkpoint `path` (one an older eaglet wrote, or one moved here from another train folder) in its
+    train folder's record, after checking it against its own list: every file listed, unchanged, and no file
+    beyond the list. For a checkpoint you wrote: the record then vouches for it on resume."""
+    path = Path(path)
+    state_file = path / TRAINER_STATE
+    if not state_file.is_file():
+        raise CheckpointRefused(f"{path}: no {TRAINER_STATE}: not a complete checkpoint")
+    listed = json.loads(state_file.read_text()).get("files")
+    if listed is None:
+        raise CheckpointRefused(f"checkpoint {path}: its {TRAINER_STATE} lists no files (an eaglet older than the "
+                                f"digests wrote it): nothing to check it against")
+    on_disk = _checkpoint_files(path)
+    if extra := sorted(on_disk - set(listed) - {TRAINER_STATE}):
+        raise CheckpointRefused(f"checkpoint {path}: {', '.join(extra)} not in its own list of files")
+    check_files(path, listed, "checkpoint", f"it cannot be adopted; delete {path}")
+    files = file_digests(path, sorted(on_disk))
+    _update_record(path.parent.parent, path.name, files)
+    log.info("checkpoint %s recorded in %s (%d files)", path, path.parent.parent / RECORD, len(files))
+    return files
 
 
 def load_checkpoint(path: Path, par, model: nn.Module, optimizer, scheduler, verify: bool = True) -> dict:
@@ -401,3 +451,17 @@ def _write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Train checkpoints: `adopt <checkpoints/step-N>` records a checkpoint "
+                                             "in its train folder's record after checking it against its own list.")
+    ap.add_argument("action", choices=["adopt"])
+    ap.add_argument("checkpoint", type=Path)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    adopt(args.checkpoint)
+
+
+if __name__ == "__main__":
+    main()

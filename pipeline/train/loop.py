@@ -410,6 +410,9 @@ class Trainer:
             self.metrics.log(self.step, tau)
             log.info("step %d real tau %.3f (%.1f s)", self.step, tau["eval/tau"], tau["eval/decode_s"])
         if self.cfg.select == Select.tau:
+            # best/ never runs ahead of the checkpoints: a kill before step N's (background) write is in place
+            # resumes before N, where a best/ of step N would hold a head the resumed run may not repeat.
+            self.saver.wait()
             self.keep_best()
 
     # -- train.select=tau -----------------------------------------------------------------------------------------
