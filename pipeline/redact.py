@@ -36,9 +36,13 @@ _SCHEMES = {"bearer", "basic", "token", "digest"}  # what an Authorization heade
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`,]+")  # a comma ends it: URL lists are comma-separated
 _AUTH_HEADER = re.compile(r"(?i)\b((?:proxy-)?authorization\s*[:=]\s*)(?:(bearer|basic|token|digest)\s+)?[^\s,;'\"]+")
 _BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]{8,}")
+# Basic and Digest credentials outside a header (an echoed header dict, a curl line): the scheme as HTTP writes
+# it, then a base64-like value that holds a digit, '+', '/' or '=' ("Basic arithmetic" is no credential).
+_BASIC = re.compile(r"\b(Basic|Digest)\s+(?=[A-Za-z0-9+/=._~-]*[0-9+/=])[A-Za-z0-9+/=._~-]{8,}")
 _OPTION = re.compile(r"[+~-]*[A-Za-z0-9_.-]+")  # an option's or an override's name (not a URL's head)
-_ASSIGNMENT = re.compile(r"(?P<name>[A-Za-z0-9_.+~-]*[A-Za-z0-9])(?P<sep>=|:\s?)"
-                         r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s&,;'\"]+)")
+# name=value, name: value, and the quoted keys of JSON or a Python dict ({"api_key": "sk-..."}).
+_ASSIGNMENT = re.compile(r"(?P<open>[\"']?)(?P<name>[A-Za-z0-9_.+~-]*[A-Za-z0-9])(?P=open)(?P<sep>\s?(?:=|:)\s?)"
+                         r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s&,;'\"}\]]+)")
 
 
 def secret_name(name: str) -> bool:
@@ -81,9 +85,11 @@ def redact_url(url: str) -> str:
 
 
 def _assignment(m: re.Match) -> str:
-    if m["value"] == MASK or m["value"].lower() in _SCHEMES or not secret_name(m["name"]):
+    value = m["value"].strip("\"'")
+    if value in (MASK, "") or value.lower() in _SCHEMES or not secret_name(m["name"]):
         return m.group(0)
-    return f"{m['name']}{m['sep']}{MASK}"
+    quote = m["value"][0] if m["value"][0] in "\"'" else ""
+    return f"{m['open']}{m['name']}{m['open']}{m['sep']}{quote}{MASK}{quote}"
 
 
 def redact_text(text: str) -> str:
@@ -95,6 +101,7 @@ def redact_text(text: str) -> str:
     text = _URL.sub(lambda m: redact_url(m.group(0)), text)
     text = _AUTH_HEADER.sub(lambda m: f"{m[1]}{m[2] + ' ' if m[2] else ''}{MASK}", text)
     text = _BEARER.sub(lambda m: f"{m[1]} {MASK}", text)
+    text = _BASIC.sub(lambda m: f"{m[1]} {MASK}", text)
     return _ASSIGNMENT.sub(_assignment, text)
 
 
@@ -118,11 +125,17 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _filled(value: Any) -> bool:
+    """A value a secret-named key may hide: a non-empty string or a number (`password: 123456` is read as an
+    int); not a flag, a null or a section."""
+    return (isinstance(value, str) and value != "") or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
 def redact(obj: Any) -> Any:
     """A plain config or record (dicts, lists, strings, numbers): a secret-named key's value made `***`, lists
     of strings read as command lines (redact_argv), every other string as free text (redact_text)."""
     if isinstance(obj, dict):
-        return {k: MASK if secret_name(str(k)) and isinstance(v, str) and v else redact(v) for k, v in obj.items()}
+        return {k: MASK if secret_name(str(k)) and _filled(v) else redact(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         if obj and all(isinstance(v, str) for v in obj):
             return redact_argv(obj)

@@ -23,7 +23,7 @@ from pipeline.files import atomic_write_text, safe_name
 from pipeline.heads import HEADS
 from pipeline.lock import OutputLock
 from pipeline.manifest import DiskFull, disk_full
-from pipeline.redact import RedactingFilter, redact
+from pipeline.redact import RedactingFilter, redact, redact_text
 
 if TYPE_CHECKING:
     from pipeline.train.loop import TrainerHook
@@ -111,7 +111,7 @@ def execute(dcfg: DictConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None
         # The schema's own checks (a choice, a range) raise builtin errors that already name the key.
         if os.environ.get("EAGLET_TRACEBACK"):
             raise
-        print(f"eaglet: config: {type(e).__name__}: {e}", file=sys.stderr)
+        print(redact_text(f"eaglet: config: {type(e).__name__}: {e}"), file=sys.stderr)
         sys.exit(1)
     logging.getLogger().setLevel(cfg.log_level)
     for handler in logging.getLogger().handlers:  # Hydra's: the console and <run folder>/run.log
@@ -124,16 +124,12 @@ def execute(dcfg: DictConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None
             raise
         # Errors eaglet raises on purpose (bad input, mismatched manifests, refused exports) already say
         # what and where; a traceback would bury that. EAGLET_TRACEBACK=1 shows it anyway.
-        print(f"eaglet: {cfg.stage}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(redact_text(f"eaglet: {cfg.stage}: {type(e).__name__}: {e}"), file=sys.stderr)
         sys.exit(1)
 
 
 def is_user_error(e: BaseException) -> bool:
     return type(e).__module__.startswith("pipeline.") or isinstance(e, FileNotFoundError)
-
-
-
-
 
 
 if __name__ == "__main__":

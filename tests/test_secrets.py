@@ -86,6 +86,23 @@ def test_text_and_records():
                               "command": ["--api-key", MASK]}
 
 
+@pytest.mark.parametrize("text,want", [
+    # what a server or proxy that echoes the request puts in an error body: JSON or a Python dict
+    ('{"authorization": "Basic YWxpY2U6U0VDUkVUMQ==", "x": 1}', f'{{"authorization": "{MASK}", "x": 1}}'),
+    ("{'api_key': 'sk-abc123', 'model': 'm'}", f"{{'api_key': '{MASK}', 'model': 'm'}}"),
+    ('curl -H "X: Basic YWxpY2U6U0VDUkVUMQ=="', f'curl -H "X: Basic {MASK}"'),
+    ("Basic arithmetic, digest of the plan, time 12:30, ratio: 0.5", None),  # no credential: unchanged
+    ('{"eos_token": "</s>", "max_new_tokens": 8}', None),
+])
+def test_quoted_keys_and_basic_credentials_in_text(text, want):
+    assert redact_text(text) == (text if want is None else want)
+
+
+def test_a_secret_read_as_a_number_is_masked_too():
+    assert redact({"password": 123456, "api_key": 0.5, "token": True, "secret": None, "hf_token": ""}) == \
+        {"password": MASK, "api_key": MASK, "token": True, "secret": None, "hf_token": ""}
+
+
 def test_a_log_handler_with_the_filter_writes_no_secret(tmp_path):
     handler = logging.FileHandler(tmp_path / "run.log")
     handler.addFilter(RedactingFilter())
@@ -224,3 +241,12 @@ def test_a_multirun_keeps_no_secret_in_hydras_sweep_record(tmp_path):
     records = list(out_root.rglob("multirun.yaml"))
     assert records and "base_url: http://u:***@h/v1?api_key=***" in records[0].read_text(), out.stderr[-2000:]
     assert files_holding(out_root) == {}
+
+
+def test_the_one_line_error_holds_no_secret(tmp_path):
+    """The refusal printed on stderr (which Slurm keeps in its job log) is redacted like every file."""
+    out = subprocess.run([sys.executable, "-m", "pipeline.run", "stage=train", f"output_root={tmp_path}",
+                          "head.name='http://alice:SECRET9@host/v1'"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert out.returncode == 1 and "is not a valid name" in out.stderr, out.stderr[-2000:]
+    assert "SECRET9" not in out.stdout + out.stderr and f"alice:{MASK}@host" in out.stderr
