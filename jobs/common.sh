@@ -59,7 +59,8 @@ fi
 #    30 by default: too short for a large checkpoint, so GRACE here too (the pinned torch 2.13 reads it).
 # Preemption's own window (the partition's GraceTime, or KillWait) is the cluster's, not the job's.
 GRACE=${GRACE:-300}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$GRACE}
+# 30 s of GRACE are kept for what follows the save (the exit, the script's requeue) before the time limit.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$(( GRACE > 60 ? GRACE - 30 : 30 ))}
 
 # run_resumable <srun command...>: run the job's step so that the job survives time limits and preemption.
 #  - SIGUSR1 (`#SBATCH --signal=B:USR1@<s>`: the time limit is <s> seconds away) reaches only this shell.

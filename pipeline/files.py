@@ -75,6 +75,15 @@ def stale_tmp_siblings(path: Path) -> list[Path]:
     return sorted(path.parent.glob(f".{path.name}.*.tmp"))
 
 
+def fsync_file(path: Path) -> None:
+    """Makes a file's bytes durable whoever wrote it (a library, another process) and however."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(directory: Path) -> None:
     """Makes a rename inside `directory` durable (its entry is on disk, not only the file's bytes)."""
     fd = os.open(directory, os.O_RDONLY)

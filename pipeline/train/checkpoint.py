@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.files import atomic_write_text, fsync_dir, replace_dir, stale_tmp_siblings
+from pipeline.files import atomic_write_text, fsync_dir, fsync_file, replace_dir, stale_tmp_siblings
 from pipeline.heads.io import head_state, load_head_weights, write_head
 from pipeline.manifest import ManifestError, check_files, file_digests, file_problem
 
@@ -225,7 +225,7 @@ class CheckpointWriter:
                 _torch_save(snapshot.optimizer, tmp / OPTIMIZER)
             _torch_save(snapshot.scheduler, tmp / SCHEDULER)
             for path in sorted(p for p in tmp.rglob("*") if p.is_file()):  # the engine's and other ranks' too
-                _fsync(path)
+                fsync_file(path)  # DeepSpeed's engine and other ranks do not fsync
             # The state file closes the checkpoint; its list of the other files is for older eaglets and people:
             # a resume checks against the record, which also holds the state file's own digest.
             files = file_digests(tmp)
@@ -436,15 +436,6 @@ def _torch_save(obj, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    """Makes a file's bytes durable whoever wrote it (DeepSpeed's engine and other ranks do not fsync)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: Path, obj) -> None:

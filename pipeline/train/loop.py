@@ -9,6 +9,7 @@ processes with grad_accum=g/N repeat one process with grad_accum=g (same micro-b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -530,7 +531,8 @@ class Trainer:
                 return
             said, lr_before = "the checkpoint records none", "unknown"
         else:
-            old = LrSchedule(**recorded)
+            # only the fields this eaglet knows: a later one may record more
+            old = LrSchedule(**{f.name: recorded[f.name] for f in dataclasses.fields(LrSchedule) if f.name in recorded})
             if not (changes := new.changes_from(old)):
                 return
             said = ", ".join(f"{key} {was} -> {now}" for key, (was, now) in changes.items())
