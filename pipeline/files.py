@@ -76,7 +76,8 @@ def stale_tmp_siblings(path: Path) -> list[Path]:
 
 
 def fsync_file(path: Path) -> None:
-    """Makes a file's bytes durable whoever wrote it (a library, another process) and however."""
+    """Makes a file's bytes durable whoever wrote it (a library, another process) and however; of a folder,
+    its entries (a rename inside it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -86,11 +87,7 @@ def fsync_file(path: Path) -> None:
 
 def fsync_dir(directory: Path) -> None:
     """Makes a rename inside `directory` durable (its entry is on disk, not only the file's bytes)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(directory)
 
 
 @contextlib.contextmanager
