@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from bench.bench_stages import cpu_model
 from pipeline.files import sha256_file
@@ -37,6 +36,7 @@ from pipeline.heads.io import frozen_names
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
 from pipeline.train.parallel import Parallel
+from tests.support.holder import Holder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,14 +45,6 @@ LLAMA_70B = DraftHeadConfig(kind="eagle3", hidden_size=8192, num_attention_heads
                             head_dim=128, intermediate_size=28672, vocab_size=128256, draft_vocab_size=32000,
                             target_hidden_size=8192, aux_layer_ids=[2, 40, 77], max_position_embeddings=131072)
 BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's exp_avg and exp_avg_sq, fp32
-
-
-class Holder(nn.Module):
-    """The prepared model as the writer reads it: `.head`."""
-
-    def __init__(self, head: nn.Module):
-        super().__init__()
-        self.head = head
 
 
 def trainable_parameters(cfg: DraftHeadConfig) -> int:

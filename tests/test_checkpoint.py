@@ -24,6 +24,7 @@ from pipeline.manifest import ManifestError, check_files, disk_full, file_digest
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.parallel import DS_TAG
 from pipeline.train.run import main
+from tests.support.holder import Holder
 from tests.test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -74,14 +75,6 @@ class Payload:
 
     def __reduce__(self):
         return Path.touch, (self.marker,)
-
-
-class Holder(nn.Module):
-    """The prepared model as the writer sees it: `.head`."""
-
-    def __init__(self, head: nn.Module):
-        super().__init__()
-        self.head = head
 
 
 def training_state(tiny_model, seed: int = 0):
