@@ -15,7 +15,7 @@ class ExportDtype(Choice):
 
 @dataclass
 class ExportConfig:
-    # A registered format (pipeline/export/formats/): sglang | vllm | eagle1. None: the head kind's default
+    # A registered format (pipeline/export/formats/): sglang | vllm | eagle1 | gguf. None: the head kind's default
     # (sglang for eagle3, eagle1 for eagle1).
     format: Optional[str] = None
     dtype: ExportDtype = ExportDtype.bfloat16

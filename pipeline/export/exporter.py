@@ -48,6 +48,8 @@ def export_head(
     speculative_tokens: int = 3,
     sglang_aux_convention: str = "output",
     tree: TreeSpec = DEFAULT_TREE,
+    target_dir: Optional[str] = None,
+    target_gguf: Optional[str] = None,
 ) -> Path:
     """Writes `out_dir/{config.json, model.safetensors}` in format `fmt` (None: the head kind's default),
     replacing a previous export there, and checks the result with `check_export` before it becomes visible.
@@ -57,12 +59,13 @@ def export_head(
     if dtype not in DTYPE_NAMES:
         raise ExportError(f"dtype {dtype}: export bfloat16 or float32")
     ctx = ExportContext(num_target_layers, verifier, tuple(verifier_architectures), speculative_tokens,
-                        str(sglang_aux_convention), tree)
+                        str(sglang_aux_convention), tree, target_dir, target_gguf)
     state = export_state(head, form, dtype)
     if head_spec(config.kind).fuses_target_layers:
         check_aux_layers(config.aux_layer_ids, num_target_layers)
         config = dataclasses.replace(config, aux_layer_ids=sorted(config.aux_layer_ids))
-    return _write_atomically(Path(out_dir), form.write_config(config, dtype, ctx), state)
+    return _write_atomically(Path(out_dir), form.write_config(config, dtype, ctx), state,
+                             lambda tmp: form.finish(tmp, config, dtype, ctx))
 
 
 def model_architectures(model: nn.Module) -> list[str]:
@@ -98,7 +101,7 @@ def _fc_in_layer_order(weight: torch.Tensor, layer_ids: Sequence[int]) -> torch.
     return weight.view(h, n, -1)[:, order].reshape(h, -1)  # [H, n, Ht] -> blocks reordered -> [H, n*Ht]
 
 
-def _write_atomically(out_dir: Path, doc: dict, state: dict[str, torch.Tensor]) -> Path:
+def _write_atomically(out_dir: Path, doc: dict, state: dict[str, torch.Tensor], finish) -> Path:
     from safetensors.torch import save_file
 
     # A killed export's temporary goes first, a failed one's (a full disk) at once; a wrong export never
@@ -107,6 +110,7 @@ def _write_atomically(out_dir: Path, doc: dict, state: dict[str, torch.Tensor]) 
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
         check_export(tmp)
+        finish(tmp)  # the format's own files (a GGUF), made from and checked against the two above
     return out_dir
 
 

@@ -1,4 +1,4 @@
-"""Stage export: `python -m pipeline.run stage=export experiment=<name> [export.format=sglang|vllm|eagle1]
+"""Stage export: `python -m pipeline.run stage=export experiment=<name> [export.format=sglang|vllm|eagle1|gguf]
 [export.dtype=float32] [export.verify=true]`.
 
 Reads the train stage's final head (`outputs/<exp>/train/<head>/`), writes `outputs/<exp>/export/<head>/<format>/`
@@ -15,7 +15,7 @@ import torch
 from pipeline.heads.io import load_head
 from pipeline.manifest import file_digests, load_manifest, write_manifest
 from pipeline.precision import resolve_dtype
-from pipeline.target import load_target_parts
+from pipeline.target import load_target_parts, resolve_source
 
 from .exporter import (
     CONFIG,
@@ -43,13 +43,15 @@ def main(cfg) -> Path:
     # fp32 whatever the target's dtype: the export casts once, from the trained weights.
     head = load_head(train_dir, target, device=torch.device("cpu"), dtype=torch.float32)
     form = format_for_head(ecfg.format, head.config.kind)
+    kind, location = resolve_source(cfg.target)
     ctx = ExportContext(target.num_layers, verifier_name(cfg), tuple(model_architectures(target.model)),
                         ecfg.speculative_tokens, str(ecfg.sglang.aux_convention),
-                        cfg.tree.fixed("export's serve command"))
+                        cfg.tree.fixed("export's serve command"), target_dir=str(target.source),
+                        target_gguf=str(location) if kind == "gguf" else None)
     out = export_head(head, export_root / form.name, form.name, dtype, num_target_layers=ctx.num_target_layers,
                       verifier=ctx.verifier, verifier_architectures=ctx.verifier_architectures,
                       speculative_tokens=ctx.speculative_tokens, sglang_aux_convention=ctx.sglang_aux_convention,
-                      tree=ctx.tree)
+                      tree=ctx.tree, target_dir=ctx.target_dir, target_gguf=ctx.target_gguf)
     infos = check_export(out)
     counts = {"tensors": len(infos),
               "parameters": sum(math.prod(t.shape) for t in infos if t.name not in ("d2t", "t2d"))}
@@ -70,7 +72,7 @@ def main(cfg) -> Path:
     write_manifest(out, "export", config={"export": ecfg, "head": cfg.head, "target": cfg.target},
                    counts=counts, timings={"total_s": time.perf_counter() - t0}, inputs=[train_dir],
                    target=target.fingerprint, format=form.name, head_config=head.config.to_dict(),
-                   files=file_digests(out, [CONFIG, WEIGHTS]))
+                   files=file_digests(out, [CONFIG, WEIGHTS, *form.extra_files]))
     path = str(Path(out).resolve())
     print("\n".join([f"export ({form.name}, {ecfg.dtype}): {path}",
                      *form.serve_commands(path, head.config.aux_layer_ids, ctx)]))

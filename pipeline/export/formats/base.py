@@ -9,6 +9,7 @@ named in docs/export.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -39,6 +40,10 @@ class ExportContext:
     speculative_tokens: int = 3
     sglang_aux_convention: str = "output"
     tree: TreeSpec = DEFAULT_TREE  # the serving commands' tree
+    # The target's local folder (config.json, tokenizer): what a converter that reads the target takes (gguf).
+    target_dir: Optional[str] = None
+    # The target's GGUF file, where it is one: what llama.cpp serves (the gguf format's command).
+    target_gguf: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -74,6 +79,8 @@ class ExportFormat:
     architecture: str  # config.json architectures[0]
     # Head tensors the serving framework takes from the target (never stored; filled from it at load-back).
     from_target: frozenset = frozenset()
+    # Files the format writes beside config.json and the weights (`finish`), digested in the manifest too.
+    extra_files: tuple = ()
 
     # -- tensors -------------------------------------------------------------------------------------------
     def to_format(self, head_name: str) -> Optional[str]:
@@ -120,6 +127,10 @@ class ExportFormat:
 
     def warn(self, layer_ids: Sequence[int], ctx: ExportContext) -> None:
         """Log what the user must know about serving this export (nothing by default)."""
+
+    def finish(self, out_dir: Path, c: DraftHeadConfig, dtype: torch.dtype, ctx: ExportContext) -> None:
+        """Writes and checks `extra_files` in `out_dir` (the export's temporary folder, config.json and the
+        weights already written and checked); nothing by default."""
 
 
 FORMATS: dict[str, ExportFormat] = {}
