@@ -203,7 +203,7 @@ def test_vllm_export_needs_a_verifier_and_formats_match_head_kinds(tiny_model, t
         export_head(make_head(tiny_model), tmp_path / "v", "vllm", num_target_layers=NUM_LAYERS)
     with pytest.raises(ExportError, match="use eagle1"):
         export(make_head(tiny_model, "eagle1"), tmp_path / "s", "sglang")
-    with pytest.raises(ExportError, match="use sglang or vllm"):
+    with pytest.raises(ExportError, match="use sglang or gguf or vllm"):
         export(make_head(tiny_model), tmp_path / "e", "eagle1")
     assert not any(tmp_path.iterdir())
 
