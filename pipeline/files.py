@@ -54,6 +54,16 @@ def check_inside(path: Path, root: Path, key: str) -> Path:
     return Path(path)
 
 
+def text_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text, split at '\n' only: eaglet writes JSON with ensure_ascii=False, so a string
+    may hold U+2028, U+0085 or \x1c..\x1e, at which str.splitlines would cut a record in two. The empty tail
+    after the last newline is not a line."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     """The file's sha256, read in chunks (a dump shard or a target's weights need not fit in memory)."""
     h = hashlib.sha256()

@@ -102,3 +102,24 @@ def test_journaled_conversations_of_an_unfinished_batch_come_back(tmp_path):
     with pytest.raises(RegenStateError, match="other conversations"):
         answer_store.restore(RegenDir(tmp_path / "c"), {**identity, "conversations": 5}, plan, items,
                              tmp_path / "store")
+
+
+def test_answers_holding_line_separators_are_saved_and_restored_whole(tmp_path):
+    """ShareGPT text holds U+2028, U+0085 and \\x1c-\\x1e; JSON written with ensure_ascii=False keeps them raw, and
+    str.splitlines would cut a record there (the quality v2 regen's save met one)."""
+    from pipeline.regen.waves import BatchResult, to_sharegpt
+
+    items = [RegenItem(f"c{i}", None, (f"q{i}",)) for i in range(2)]
+    plan = make_plan(items, 2, 1, RegenItem.prompt_chars)
+    identity = {"plan": plan.digest, "conversations": 2}
+    src = RegenDir(tmp_path / "a")
+    src.claim(identity)
+    texts = ["one\u2028two", "three\x85four\x1cfive\u2029"]
+    records = [to_sharegpt(it, [Answer(t, 3, "stop")], {}) for it, t in zip(items, texts)]
+    src.finish_shard(0, range(0, 1), [BatchResult(records, [], {})], rank=0)
+    assert answer_store.save(src.root, tmp_path / "store")["conversations"] == 2
+
+    dst = RegenDir(tmp_path / "b")
+    dst.claim(identity)
+    assert answer_store.restore(dst, identity, plan, items, tmp_path / "store") == 2
+    assert dst.shard_path(0).read_bytes() == src.shard_path(0).read_bytes()  # its sha256 was checked too

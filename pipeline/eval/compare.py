@@ -27,7 +27,7 @@ from pipeline.decoding.tree import TreeSpec
 from pipeline.eval.evaluate import system_messages
 from pipeline.eval.questions import load_questions
 from pipeline.eval.subjects import build_drafter, fp32_baseline_model, tree_choice
-from pipeline.files import atomic_write_text
+from pipeline.files import atomic_write_text, text_lines
 from pipeline.manifest import to_plain, write_manifest
 from pipeline.target import load_target
 
@@ -103,7 +103,7 @@ def decode_turns(cfg, target, variants: dict, questions, out_dir: Path) -> list[
     """Every turn of every question decoded by vanilla decoding and each variant (name -> (drafter, tree dict)),
     turn-major (every question's first turn, then every second turn), continuing the journal."""
     journal = out_dir / JOURNAL
-    done = [json.loads(line) for line in journal.read_text().splitlines()] if journal.is_file() else []
+    done = [json.loads(line) for line in text_lines(journal.read_text(encoding="utf-8"))] if journal.is_file() else []
     answers = {(t["question_id"], t["turn"]): t["vanilla_answer"] for t in done}
     eos = set(stop_token_ids(target.tokenizer, target.model))
     fp32_model = fp32_baseline_model(cfg, target)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.eval.evaluate import TurnRecord, record_dict
-from pipeline.files import atomic_write_text
+from pipeline.files import atomic_write_text, text_lines
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class EvalProgress:
 def read_answers(path: Path) -> tuple[dict, dict[str, list[TurnRecord]], Optional[list[str]]]:
     """(identity, question id -> turn records, the intact lines if the last one is torn else None) of an
     answers file. A kill mid-write leaves at most the last line torn; corruption elsewhere is an error."""
-    lines = Path(path).read_text().splitlines()
+    lines = text_lines(Path(path).read_text(encoding="utf-8"))
     identity = json.loads(lines[0]).get("identity") if lines else None
     done: dict[str, list[TurnRecord]] = {}
     for n, line in enumerate(lines[1:], start=2):

@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from pipeline.files import atomic_file, atomic_write_text
+from pipeline.files import atomic_file, atomic_write_text, text_lines
 
 from .batching import Plan, RegenItem
 from .shards import ConversationJournal, RegenDir, RegenStateError, shard_text
@@ -44,7 +44,7 @@ def _answers_of(record: dict) -> dict:
 
 
 def _jsonl(path: Path) -> Iterator[dict]:
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text_lines(path.read_text(encoding="utf-8")):
         if line.strip():
             yield json.loads(line)
 
