@@ -145,6 +145,15 @@ def _flock_held_by_other(path: Path) -> bool:
         os.close(fd)
 
 
+def _live_holder(directory: Path, rank: int, flock: bool = True, file: bool = True) -> Optional[dict]:
+    """The record of another process holding rank `rank`'s lock of `directory`, by flock or by lock file (the
+    kinds asked for), else None."""
+    path = directory / f"{LOCK_PREFIX}{rank}"
+    if flock and _flock_held_by_other(path):
+        return _holder(path)
+    return FileLock(path.with_name(path.name + HELD_SUFFIX), {}).live_holder() if file else None
+
+
 class FileLock:
     """The O_EXCL lock file with a heartbeat (the module's docstring says when it is used)."""
 
@@ -293,19 +302,17 @@ class OutputLock:
     def __enter__(self) -> "OutputLock":
         self.dir.mkdir(parents=True, exist_ok=True)
         me = _holder_record(self.stage)
-        held = self.dir / f"{LOCK_PREFIX}{self.rank.rank}{HELD_SUFFIX}"
         if self.mode != "file" and not self._take_flock(me):
             self.mode = "file"
         if self.mode == "file":
-            self._file = FileLock(held, me)
+            self._file = FileLock(self.dir / f"{LOCK_PREFIX}{self.rank.rank}{HELD_SUFFIX}", me)
             if (holder := self._file.acquire()) is not None:
                 self._file = None
                 self._refuse(holder)
         # A run of the other kind (EAGLET_LOCK=file in a job, auto in an interactive rerun) holds the folder too:
         # each kind looks at the other's lock before writing.
-        other = (_holder(self.path) if _flock_held_by_other(self.path) else None) if self.mode == "file" \
-            else FileLock(held, {}).live_holder()
-        if other is not None:
+        if (other := _live_holder(self.dir, self.rank.rank, flock=self.mode == "file",
+                                  file=self.mode != "file")) is not None:
             self.__exit__()
             self._refuse(other)
         if self.rank.rank > 0 and me["job"] is not None:
@@ -340,17 +347,10 @@ class OutputLock:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         return True
 
-    def _rank0_holder(self) -> Optional[dict]:
-        """Rank 0's holder record while its lock (either kind) is held by another process, else None."""
-        flocked = self.dir / f"{LOCK_PREFIX}0"
-        if _flock_held_by_other(flocked):
-            return _holder(flocked)
-        return FileLock(self.dir / f"{LOCK_PREFIX}0{HELD_SUFFIX}", {}).live_holder()
-
     def _check_rank0(self, job: str) -> None:
         """Rank 0's lock, when held, must be our job's; its holder record may lag its lock by a moment."""
         deadline = time.monotonic() + self.wait_rank0_s
-        while (holder := self._rank0_holder()) is not None:
+        while (holder := _live_holder(self.dir, 0)) is not None:
             if holder.get("job") == job:
                 return
             if time.monotonic() > deadline:

@@ -34,7 +34,8 @@ _QUERY_ALSO = {"key", "sig", "signature", "code"}
 _SCHEMES = {"bearer", "basic", "token", "digest"}  # what an Authorization header's value starts with
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`,]+")  # a comma ends it: URL lists are comma-separated
-_AUTH_HEADER = re.compile(r"(?i)\b((?:proxy-)?authorization\s*[:=]\s*)(?:(bearer|basic|token|digest)\s+)?[^\s,;'\"]+")
+_AUTH_HEADER = re.compile(rf"(?i)\b((?:proxy-)?authorization\s*[:=]\s*)(?:({'|'.join(sorted(_SCHEMES))})\s+)?"
+                          r"[^\s,;'\"]+")
 _BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]{8,}")
 # Basic and Digest credentials outside a header (an echoed header dict, a curl line): the scheme as HTTP writes
 # it, then a base64-like value that holds a digit, '+', '/' or '=' ("Basic arithmetic" is no credential).
