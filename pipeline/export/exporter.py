@@ -151,24 +151,33 @@ def check_export(export_dir: Path) -> list[TensorInfo]:
     """Checks an export against its format: config fields the loaders read; exactly the format's tensor names
     (any extra or missing tensor fails), their shapes from the config, one floating dtype matching
     `torch_dtype`, and a consistent draft vocabulary. Returns the tensors (sorted by name)."""
+    form, infos, problems = export_problems(export_dir)
+    if problems:
+        raise ExportError(f"{export_dir} ({form.name} format):\n  " + "\n  ".join(text for _, text in problems))
+    return infos
+
+
+def export_problems(export_dir: Path) -> tuple[ExportFormat, list[TensorInfo], list[tuple[str, str]]]:
+    """`check_export`'s findings without raising: (the format, the tensors, [(file, problem)]), the file being
+    config.json or model.safetensors (the doctor names it on each line). A config the format refuses is not
+    read further (its tensor shapes would be guesses)."""
     cfg = read_config(export_dir)
     form = detect_format(cfg)
     infos = tensor_infos(export_dir)
     found = {t.name: t for t in infos}
-    problems = form.config_problems(cfg)
+    problems = [(CONFIG, p) for p in form.config_problems(cfg)]
     if not problems:
         # Tensor shapes do not depend on which target layers are fused: any valid layer count will do here.
         expected = form.expected_tensors(form.read_config(cfg, num_target_layers=64, fc_bias="fc.bias" in found))
-        problems += [f"missing tensor {n} {list(s)}" for n, s in expected.items() if n not in found]
-        problems += [f"unexpected tensor {n} {list(found[n].shape)}" for n in found if n not in expected]
-        problems += [f"{n}: shape {list(found[n].shape)}, expected {list(s)}"
-                     for n, s in expected.items() if n in found and found[n].shape != s]
-        problems += _dtype_problems(infos, form.layer_fields(cfg).get("torch_dtype") or cfg.get("torch_dtype"))
-        if not problems and "d2t" in found:
-            problems += _vocab_problems(export_dir, cfg["draft_vocab_size"])
-    if problems:
-        raise ExportError(f"{export_dir} ({form.name} format):\n  " + "\n  ".join(problems))
-    return infos
+        tensors = [f"missing tensor {n} {list(s)}" for n, s in expected.items() if n not in found]
+        tensors += [f"unexpected tensor {n} {list(found[n].shape)}" for n in found if n not in expected]
+        tensors += [f"{n}: shape {list(found[n].shape)}, expected {list(s)}"
+                    for n, s in expected.items() if n in found and found[n].shape != s]
+        tensors += _dtype_problems(infos, form.layer_fields(cfg).get("torch_dtype") or cfg.get("torch_dtype"))
+        if not tensors and "d2t" in found:
+            tensors += _vocab_problems(export_dir, cfg["draft_vocab_size"])
+        problems += [(WEIGHTS, p) for p in tensors]
+    return form, infos, problems
 
 
 def _dtype_problems(infos: list[TensorInfo], torch_dtype: Optional[str]) -> list[str]:
@@ -180,18 +189,25 @@ def _dtype_problems(infos: list[TensorInfo], torch_dtype: Optional[str]) -> list
 
 
 def _vocab_problems(export_dir: Path, draft_vocab_size: int) -> list[str]:
-    """d2t must send the draft ids to distinct target ids, exactly the ones t2d marks."""
+    """d2t must send the draft ids to distinct target ids, exactly the ones t2d marks (target id = draft id +
+    d2t[draft id]); each rule broken is one line."""
     from safetensors import safe_open
 
     with safe_open(str(Path(export_dir) / WEIGHTS), framework="pt") as f:
         d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
     target_ids = torch.arange(draft_vocab_size) + d2t
     if target_ids.min() < 0 or target_ids.max() >= t2d.numel():
-        return ["d2t maps draft ids outside the target vocabulary"]
-    if target_ids.unique().numel() != draft_vocab_size or not bool(t2d[target_ids].all()) \
-            or int(t2d.sum()) != draft_vocab_size:
-        return ["d2t and t2d disagree (t2d must mark exactly the draft vocabulary's target ids)"]
-    return []
+        return [f"d2t maps draft ids outside the target vocabulary (target ids {int(target_ids.min())}.."
+                f"{int(target_ids.max())}, vocab_size {t2d.numel()})"]
+    problems = []
+    if (marked := int(t2d.sum())) != draft_vocab_size:
+        problems.append(f"t2d marks {marked} target ids, draft_vocab_size is {draft_vocab_size}")
+    if (distinct := target_ids.unique().numel()) != draft_vocab_size:
+        problems.append(f"d2t sends the {draft_vocab_size} draft ids to only {distinct} distinct target ids")
+    if (off := int((~t2d[target_ids]).sum())):
+        problems.append(f"d2t and t2d disagree (t2d must mark exactly the draft vocabulary's target ids): {off} of "
+                        f"{draft_vocab_size} draft ids land on target ids t2d does not mark")
+    return problems
 
 
 def tensor_table(infos: Sequence[TensorInfo]) -> str:
