@@ -120,6 +120,12 @@ class ExportFormat:
         """Fields the loaders read, checked on a written config.json (empty list: fine)."""
         return llama_problems(self.layer_fields(cfg))
 
+    def loader_aux_layers(self, cfg: dict, num_target_layers: int) -> list[tuple[str, list[int], bool]]:
+        """What each framework that loads this directory captures for its config.json: (loader, input-to-layer ids
+        in eaglet's numbering, whether the format is written for that loader). Empty for heads that fuse no target
+        layers."""
+        return []
+
     # -- serving -------------------------------------------------------------------------------------------
     def serve_commands(self, path: str, layer_ids: Sequence[int], ctx: ExportContext) -> list[str]:
         """One line per framework: the command that serves this export, or what to do instead."""

@@ -79,6 +79,12 @@ def _rope_order(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def _hf_order(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of `_rope_order`: llama.cpp's q/k rows back in HF's rotate-half layout."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
 def _as_torch(tensor) -> torch.Tensor:
     """A gguf-py tensor's data as torch, in the GGUF's own type (bf16 is stored as raw 16-bit words)."""
     import numpy as np
@@ -109,6 +115,10 @@ def gguf_problems(path: Path, c: DraftHeadConfig, state: dict[str, torch.Tensor]
               "attention.key_length": c.head_dim, "context_length": c.max_position_embeddings,
               "vocab_size": c.vocab_size, "rope.freq_base": float(c.rope_theta)}
     problems = []
+    # The converter copies these RedHat/NVIDIA variants from the config; llama.cpp's draft then normalizes the
+    # residual or the fused features, which eaglet's head does not.
+    problems += [f"eagle3.{key} = true, expected false (llama.cpp would apply a norm the head was not trained with)"
+                 for key in ("norm_before_residual", "norm_before_fc") if _field(reader, f"eagle3.{key}")]
     for key, want in expect.items():
         got = _field(reader, f"eagle3.{key}")
         if isinstance(want, float) and got is not None:
@@ -136,6 +146,46 @@ def gguf_problems(path: Path, c: DraftHeadConfig, state: dict[str, torch.Tensor]
                              want.to(torch.float64) if want.is_floating_point() else want):
             problems.append(f"{g}: values differ from {n}")
     return problems
+
+
+def read_gguf_head(path: Path) -> tuple[DraftHeadConfig, dict[str, torch.Tensor]]:
+    """What llama.cpp reads of a draft GGUF, as an eaglet head: the DraftHeadConfig of its `eagle3.*` metadata and
+    its tensors under the sglang dialect's names (the inverse of the conversion `gguf_problems` checks: q/k rows
+    back in HF's order, d2t back from target ids to offsets, t2d rebuilt from d2t, which llama.cpp does not
+    store)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch != "eagle3":
+        raise ExportError(f"{path}: general.architecture {arch!r}, not an EAGLE-3 draft")
+
+    def meta(key: str):
+        value = _field(reader, f"eagle3.{key}")
+        if value is None:
+            raise ExportError(f"{path}: no eagle3.{key}")
+        return value
+
+    names = {g: n for n, g in GGUF_NAMES.items()}
+    state = {names[t.name]: _as_torch(t) for t in reader.tensors if t.name in names}
+    heads, kv = int(meta("attention.head_count")), int(meta("attention.head_count_kv"))
+    for name, count in (("midlayer.self_attn.q_proj.weight", heads), ("midlayer.self_attn.k_proj.weight", kv)):
+        if name in state:
+            state[name] = _hf_order(state[name], count)
+    vocab = int(meta("vocab_size"))
+    if "d2t" in state:
+        target_ids = state["d2t"].long()
+        state["d2t"] = target_ids - torch.arange(target_ids.numel())
+        state["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+        state["t2d"][target_ids.clamp(0, vocab - 1)] = True
+    draft_vocab = state["lm_head.weight"].shape[0] if "lm_head.weight" in state else vocab
+    config = DraftHeadConfig(
+        kind="eagle3", hidden_size=int(meta("embedding_length")), intermediate_size=int(meta("feed_forward_length")),
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=int(meta("attention.key_length")),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")), rope_theta=float(meta("rope.freq_base")),
+        max_position_embeddings=int(meta("context_length")), vocab_size=vocab, draft_vocab_size=draft_vocab,
+        target_hidden_size=int(meta("target_hidden_size")), aux_layer_ids=[int(i) for i in meta("target_layers")])
+    return config, state
 
 
 class GgufEagle3(SGLangEagle3):

@@ -38,6 +38,8 @@ class SGLangExportOptions:
 
 EAGLE3_NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
 CONVENTIONS = ("output", "input")
+# The SGLang generation each convention targets: how SGLang's loader is named where its reading is reported.
+SGLANG_RULES = {"output": "SGLang before PR #25454", "input": "SGLang with PR #25454"}
 
 
 def sglang_aux_ids(layer_ids: Sequence[int], convention: str = "output") -> list[int]:
@@ -125,6 +127,15 @@ class SGLangEagle3(ExportFormat):
              "top-level eagle_aux_hidden_state_layer_ids: vLLM would read SGLang's numbering as its own"),
             (ids is None or len(set(ids)) == 3, "eagle_config must name 3 distinct aux layers")]
         return super().config_problems(cfg) + [what for ok, what in rules if not ok]
+
+    def loader_aux_layers(self, cfg: dict, num_target_layers: int) -> list[tuple[str, list[int], bool]]:
+        written = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        default = default_aux_layer_ids(num_target_layers)
+        sglang = ([(SGLANG_RULES[c], sglang_captured_layers(written, after_pr_25454=c == "input"), True)
+                   for c in CONVENTIONS] if written else [("SGLang", default, True)])
+        # vLLM maps this architecture to its EAGLE-3 Llama, which reads a top-level id list only (never
+        # eagle_config): without one it captures its default layers.
+        return sglang + [("vLLM", sorted(cfg.get("eagle_aux_hidden_state_layer_ids") or default), False)]
 
     def serve_commands(self, path: str, layer_ids: Sequence[int], ctx: ExportContext) -> list[str]:
         import shlex

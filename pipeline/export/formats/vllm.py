@@ -70,6 +70,10 @@ class VLLMSpeculatorsEagle3(ExportFormat):
                                target_hidden_size=cfg.get("target_hidden_size") or t["hidden_size"],
                                aux_layer_ids=sorted(ids), **read_eagle31_fields(cfg), **llama_config_fields(t))
 
+    def loader_aux_layers(self, cfg: dict, num_target_layers: int) -> list[tuple[str, list[int], bool]]:
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or default_aux_layer_ids(num_target_layers)
+        return [("vLLM", sorted(ids), True)]
+
     def config_problems(self, cfg: dict) -> list[str]:
         problems = super().config_problems(cfg)
         if problems and problems[0] == "transformer_layer_config missing":
