@@ -133,6 +133,7 @@ def test_a_stopped_run_continues_on_a_fresh_machine_from_the_store(tmp_path, tin
     meta = json.loads((store / "store.json").read_text())
     assert len(meta["shards"]) == 1 and len(meta["batches"]) == 1 and meta["conversations"] == 6
     stored = gzip.decompress((store / "answers.jsonl.gz").read_bytes()).decode()
+    assert (store / "answers.jsonl.gz").read_bytes()[3] == 0  # no name in the gzip header: same answers, same bytes
     for prompt in PROMPTS + ["Name a colour.", "Why that one?"]:  # the store holds no prompt
         assert prompt not in stored and prompt not in (store / "store.json").read_text()
 

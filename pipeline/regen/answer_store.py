@@ -171,8 +171,9 @@ def _write(store_dir: Path, meta: dict, lines: list[dict]) -> dict:
     meta["kept"] = sum(e["in"] == "kept" for e in lines)
     store_dir = Path(store_dir)
     with atomic_file(store_dir / ANSWERS, "wb") as f:
-        # mtime 0: the same answers give the same bytes, so a commit changes only with the answers.
-        with gzip.GzipFile(fileobj=f, mode="wb", mtime=0, compresslevel=9) as gz:
+        # mtime 0 and no file name (the temporary's holds a pid): the same answers give the same bytes, so a
+        # commit changes only with the answers.
+        with gzip.GzipFile(filename="", fileobj=f, mode="wb", mtime=0, compresslevel=9) as gz:
             gz.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in lines).encode("utf-8"))
     atomic_write_text(store_dir / META, json.dumps(meta, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
     return {"conversations": len(lines), "kept": meta["kept"], "shards": len(meta["shards"]),
