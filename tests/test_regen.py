@@ -254,11 +254,11 @@ def test_a_batch_killed_midway_resumes_from_its_journal_asking_only_unfinished_c
     # concurrency 1: longest first, so long and mid finish before slow is asked
     first = OneAtATime(HFBackend(tiny_target, max_new_tokens=8), concurrency=1, hold=interrupt)
     with pytest.raises(RuntimeError, match="killed"):
-        regen_batch(first, items, seed=0, journal=out.journal(0, [i.id for i in items]))
+        regen_batch(first, items, seed=0, journal=out.journal(0, items))
     with open(out.journal_path(0), "a") as f:
         f.write('{"id": "slow", "elapsed_s": 1.0, "answ')  # the cut last line of a kill
     again = OneAtATime(HFBackend(tiny_target, max_new_tokens=8), concurrency=2)
-    resumed = regen_batch(again, items, seed=0, journal=out.journal(0, [i.id for i in items]))
+    resumed = regen_batch(again, items, seed=0, journal=out.journal(0, items))
     assert [key for kind, key in again.events if kind == "ask"] == [("b1", 0)]
     assert resumed.records == whole.records and resumed.stats["tokens"] == whole.stats["tokens"]
     out.save_batch(0, resumed)
@@ -266,7 +266,7 @@ def test_a_batch_killed_midway_resumes_from_its_journal_asking_only_unfinished_c
 
     out.journal_path(0).write_text('{"id": "stranger", "elapsed_s": 1.0, "answers": []}\n')
     with pytest.raises(RegenStateError, match="stranger.*not in this batch"):
-        out.journal(0, [i.id for i in items]).load()
+        out.journal(0, items).load()
 
 
 def test_stop_tokens_and_degenerate_flags(tiny_target):

@@ -22,16 +22,20 @@ from types import ModuleType
 class Entry:
     module: str
     what: str
+    # How its backend's `prompt_length` measures a prompt to plan batches: "tokens" (eaglet renders and tokenizes
+    # it: in-process engines) or "chars" (a server tokenizes it). An answer store's upgrade rebuilds a plan with it.
+    measure: str = "tokens"
 
 
 BACKENDS: dict[str, Entry] = {
     "hf": Entry("pipeline.regen.hf_backend", "in-process transformers generate, one padded batch per wave"),
     "llamacpp": Entry("pipeline.regen.llamacpp_backend",
-                      "a llama.cpp server regen starts itself on the target's GGUF (CPU)"),
+                      "a llama.cpp server regen starts itself on the target's GGUF (CPU)", "chars"),
     "openai": Entry("pipeline.regen.openai_backend",
-                    "OpenAI-compatible servers you run (vLLM, SGLang, llama.cpp): regen.openai.base_url"),
+                    "OpenAI-compatible servers you run (vLLM, SGLang, llama.cpp): regen.openai.base_url", "chars"),
     "vllm": Entry("pipeline.regen.vllm_server",
-                  "vLLM (its CPU build here): a server regen starts on the target's HF folder (make engine-vllm)"),
+                  "vLLM (its CPU build here): a server regen starts on the target's HF folder (make engine-vllm)",
+                  "chars"),
     "ctranslate2": Entry("pipeline.regen.ctranslate2_backend",
                          "CTranslate2 in process, the target converted once (batched generation per wave)"),
     "openvino": Entry("pipeline.regen.openvino_backend",

@@ -65,6 +65,14 @@ def to_items(convs: Iterable[dict], system_prompt: Optional[str] = None, limit: 
     return items
 
 
+def read_items(cfg, report) -> list[RegenItem]:
+    """The conversations regen answers under the root config `cfg` (its data sources, `data.system_prompt` and
+    `regen.limit`); bad and skipped records go to `report` (a BadRecordReport)."""
+    from pipeline.data.readers import read_sources
+
+    return to_items(read_sources(cfg.data, report), cfg.data.system_prompt, cfg.regen.limit)
+
+
 @dataclass(frozen=True)
 class Plan:
     batches: tuple[tuple[int, ...], ...]  # item indices of each batch, in generation order

@@ -6,8 +6,9 @@
       errors/shard-00000.jsonl      requests that failed for good: {id, turn, reason, detail, attempts}
       state/run.json                what this directory is a run of (plan digest, generation, target)
       state/batches/batch-000000.json   finished batches of a shard not yet complete
-      state/journal/batch-000000.jsonl  finished conversations of a batch not yet finished (server schedule)
-      state/done/shard-00000.json   shard done-marker: its counts, sha256, the rank that wrote it
+      state/journal/batch-000000.jsonl  finished conversations of a batch not yet finished (server schedule;
+                                        either schedule: those an answer store restored)
+      state/done/shard-00000.json   shard done-marker: its counts, sha256, the rank that wrote it, its records' tokens
 
 Every file is written to a `*.tmp` name and renamed into place, so a `kill -9` at any moment leaves either the
 whole file or none (a temporary name never matches `*.json*`, so readers never see it). A shard is complete
@@ -31,6 +32,7 @@ from typing import Optional
 
 from pipeline.data.config import SourceConfig
 from pipeline.files import atomic_write_text
+from pipeline.regen.batching import RegenItem
 from pipeline.regen.waves import Answer, BatchResult
 
 log = logging.getLogger(__name__)
@@ -115,8 +117,8 @@ class RegenDir:
         atomic_write_text(self.batch_path(batch), json.dumps(result.to_dict(), ensure_ascii=False))
         self.journal_path(batch).unlink(missing_ok=True)  # the batch file now holds every conversation
 
-    def journal(self, batch: int, ids: list[str]) -> "ConversationJournal":
-        return ConversationJournal(self.journal_path(batch), ids)
+    def journal(self, batch: int, items: list[RegenItem]) -> "ConversationJournal":
+        return ConversationJournal(self.journal_path(batch), items)
 
     def drop_batches(self, batches) -> None:
         for b in batches:
@@ -141,6 +143,8 @@ class RegenDir:
             "conversations": len(records),
             "sha256": hashlib.sha256(text.encode()).hexdigest(),
             "stats": sum_stats([res.stats for res in results]),
+            # Per record, its answers' tokens per turn (the records hold only text): an answer store keeps them.
+            "answer_tokens": {k: v for res in results for k, v in res.tokens.items()},
         }
         atomic_write_text(self.done_path(shard), _dumps(marker))
         self.drop_batches(batches)
@@ -166,10 +170,13 @@ class RegenDir:
 class ConversationJournal:
     """Finished conversations of one batch, one JSON line each, appended and fsynced as they finish
     (`waves.Journal`). The run's identity (plan digest) fixes which conversations a batch holds; a line
-    naming another conversation means the directory was tampered with, and stops the run."""
+    naming another conversation means the directory was tampered with, and stops the run. Each line carries
+    its conversation's item digest (RegenItem.digest), so an answer store can tell which prompt it answers."""
 
-    def __init__(self, path: Path, ids: list[str]):
-        self.path, self.ids = Path(path), set(ids)
+    def __init__(self, path: Path, items: list[RegenItem]):
+        self.path = Path(path)
+        self.digests = {item.id: item.digest() for item in items}
+        self.ids = set(self.digests)
         self.lock = threading.Lock()
 
     def load(self) -> tuple[dict[str, list[Answer]], float]:
@@ -199,8 +206,8 @@ class ConversationJournal:
         return finished, spent
 
     def record(self, conversation_id: str, answers: list[Answer], elapsed_s: float) -> None:
-        line = json.dumps({"id": conversation_id, "elapsed_s": elapsed_s,
-                           "answers": [vars(a) for a in answers]}, ensure_ascii=False) + "\n"
+        line = json.dumps({"id": conversation_id, "digest": self.digests[conversation_id], "elapsed_s": elapsed_s,
+                           "answers": [a.to_dict() for a in answers]}, ensure_ascii=False) + "\n"
         with self.lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:

@@ -84,7 +84,7 @@ def stream_rank(out: RegenDir, plan: Plan, items: list[RegenItem], shards: list[
                 results[s][b] = saved
                 continue
             batch_items = [items[i] for i in plan.batches[b]]
-            batch = _Batch(b, s, batch_items, out.journal(b, [it.id for it in batch_items]))
+            batch = _Batch(b, s, batch_items, out.journal(b, batch_items))
             finished, batch.spent_s = batch.journal.load()
             batch.answers = {i: finished[it.id] for i, it in enumerate(batch_items) if it.id in finished}
             batch.left = len(batch_items) - len(batch.answers)
