@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from pipeline.files import sha256_file
 from pipeline.regen.config import LlamaCppConfig
@@ -86,16 +86,18 @@ def find_binary(cfg: LlamaCppConfig, target: TargetConfig) -> Optional[Path]:
 class LlamaServer(ManagedServer):
     """`llama-server` on 127.0.0.1 (a free port) with `slots` sequences, each with its own KV cache of
     `ctx_per_slot` tokens (capped at `max_seq`, the model's context); its log goes to `log_path`; `close`
-    stops it. Not a unified KV pool: there every sequence's attention scans the whole pool,
-    which measured 3x slower decoding at 32 slots."""
+    stops it; `extra_args` go to its command line as they are (bench/serve_llamacpp.py adds a draft). Not a
+    unified KV pool: there every sequence's attention scans the whole pool, which measured 3x slower decoding at
+    32 slots."""
 
     name = "llama-server"
 
-    def __init__(self, binary: Path, gguf: Path, cfg: LlamaCppConfig, log_path: Path, max_seq: int):
+    def __init__(self, binary: Path, gguf: Path, cfg: LlamaCppConfig, log_path: Path, max_seq: int,
+                 extra_args: Sequence[str] = ()):
         super().__init__(log_path)
         threads = cfg.threads or default_threads()
         self._start([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                      "-np", str(cfg.slots), "-c", str(cfg.slots * min(cfg.ctx_per_slot, max_seq)),
-                     "-t", str(threads), "-tb", str(threads), "--no-webui"], cfg.startup_timeout_s)
+                     "-t", str(threads), "-tb", str(threads), "--no-webui", *extra_args], cfg.startup_timeout_s)
         log.info("llama-server up in %.1f s: %d slots x %d tokens, %d threads (%s)", self.startup_s, cfg.slots,
                  cfg.ctx_per_slot, threads, log_path)

@@ -1,0 +1,257 @@
+"""An eaglet head served by a real engine: llama.cpp's server drafting with the head's GGUF export
+(`export.format=gguf`) against the same server without a draft, and eaglet's own decoder with the same head in
+the same draft shape, on the same prompts (docs/results/serving.md).
+
+What llama.cpp does with an EAGLE-3 draft (read in its server, tools/server/server-context.cpp, and
+common/speculative.cpp): it drafts a *chain*, the draft's top-1 token at each step, up to `--spec-draft-n-max`
+tokens (stopping early when the draft's probability falls below `--spec-draft-p-min`, 0 by default, so never
+here), and verifies the chain in one target forward. eaglet's decoder drafts the same chain with the tree
+`top_k=1, depth=n-1, total_tokens=n+1` (round 0 plus n-1 expansions). So tau should agree, up to the target's
+arithmetic: llama.cpp runs the target's Q4_1 GGUF with its own kernels, eaglet the same weights dequantized, in
+`target.dtype` (bf16 where `auto` measures it faster).
+
+Every turn is decoded by every subject in a rotating order, one after another, so a slow spell of the machine
+hits all of them alike: llama-server without a draft, llama-server with the draft at each chain length
+(one server each, all started once and idle while another decodes), and eaglet's decoder at each chain length.
+A later turn's history is the no-draft server's answer, so every subject sees the same prompt ids (rendered with
+the target's chat template by eaglet and sent to the server as ids). Greedy.
+
+From each server response: the generated tokens, `timings.predicted_n/predicted_ms` (decoding only, prompt
+excluded) and `timings.draft_n/draft_n_accepted`. tau is tokens emitted per target forward after the prompt's,
+as eaglet counts it (decoder.mean_accepted_tokens): (predicted_n - 1) / (predicted_n - 1 - draft_n_accepted),
+each forward emitting its accepted drafts plus one token of its own.
+
+    python -m bench.serve_llamacpp                                # 20 MT-bench questions, 128 tokens
+    python -m bench.serve_llamacpp --limit 2 --max-new-tokens 32  # a smoke run
+It exports the head first (stage export, export.format=gguf) unless the export is there. Writes
+bench/results/serve_llamacpp.json (or --out) and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+PLAIN = "llama.cpp"
+
+
+def chain_tree(n: int):
+    """eaglet's tree for llama.cpp's chain of up to `n` drafted tokens."""
+    from pipeline.decoding.tree import TreeSpec
+
+    return TreeSpec(top_k=1, depth=n - 1, total_tokens=n + 1)
+
+
+def server_tau(timings: dict) -> Optional[float]:
+    """tau from a llama-server response's timings: tokens emitted per target forward after the prompt's (the
+    prompt's forward emits the first token; every later one its accepted drafts plus one). None when no forward
+    followed the prompt's."""
+    n = int(timings["predicted_n"]) - 1
+    accepted = int(timings.get("draft_n_accepted", 0))
+    return n / (n - accepted) if n > accepted else None
+
+
+def complete(port: int, prompt_ids: Sequence[int], max_new_tokens: int, timeout_s: float = 600) -> dict:
+    """One greedy completion of `prompt_ids` by the llama-server on `port`: its tokens and timings."""
+    body = {"prompt": [int(t) for t in prompt_ids], "n_predict": max_new_tokens, "temperature": 0.0,
+            "cache_prompt": False, "return_tokens": True}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=timeout_s) as r:
+        out = json.loads(r.read())
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+@dataclass
+class Subject:
+    """One column of the table: a server (with or without the draft) or eaglet's decoder at a chain length."""
+    name: str
+    engine: str  # llama.cpp | eaglet
+    draft_n: int = 0  # chain length; 0: no draft
+    turns: list = field(default_factory=list)
+
+    def totals(self, plain: Optional["Subject"]) -> dict:
+        tokens = sum(t["new_tokens"] for t in self.turns)
+        steps = sum(t["forwards"] for t in self.turns)
+        decode_s = sum(t["decode_s"] for t in self.turns)
+        out = {"engine": self.engine, "draft_n": self.draft_n, "turns": len(self.turns), "new_tokens": tokens,
+               "tau": round((tokens - len(self.turns)) / steps, 4) if steps else None,
+               "decode_s": round(decode_s, 3), "tokens_per_s": round(tokens / decode_s, 2) if decode_s else None}
+        if self.draft_n:
+            out["drafted"] = sum(t.get("drafted", 0) for t in self.turns)
+            out["accepted"] = sum(t.get("accepted", 0) for t in self.turns)
+        if plain is not None and plain is not self:
+            same = [t["tokens"] == p["tokens"] for t, p in zip(self.turns, plain.turns)]
+            out["identical_to_llama_cpp"] = f"{sum(same)}/{len(same)}"
+            if self.engine == PLAIN and out["tokens_per_s"]:
+                out["speedup"] = round(out["tokens_per_s"] / plain.totals(None)["tokens_per_s"], 3)
+        return out
+
+
+def server_turn(resp: dict) -> dict:
+    t = resp["timings"]
+    n = int(t["predicted_n"])
+    accepted = int(t.get("draft_n_accepted", 0))
+    return {"tokens": list(resp["tokens"]), "new_tokens": n, "forwards": max(n - 1 - accepted, 0),
+            "decode_s": float(t["predicted_ms"]) / 1000, "drafted": int(t.get("draft_n", 0)), "accepted": accepted,
+            "tau": server_tau(t), "wall_s": resp["wall_s"]}
+
+
+def eaglet_turn(target, drafter, prompt_ids, n: int, max_new_tokens: int, eos) -> dict:
+    from pipeline.decoding.decoder import generate
+
+    res = generate(target.model, drafter, torch.tensor(prompt_ids), max_new_tokens, temperature=0.0,
+                   tree=chain_tree(n), eos_token_ids=eos)
+    forwards = res.n_target_forwards
+    return {"tokens": list(res.tokens), "new_tokens": len(res.tokens), "forwards": forwards,
+            "decode_s": res.wall_time, "accepted": sum(res.accept_lengths), "drafted": n * len(res.accept_lengths),
+            "tau": (len(res.tokens) - 1) / forwards if forwards else None}
+
+
+def ensure_export(experiment: str, head: str, output_root: Path) -> Path:
+    """The head's GGUF export folder, made by the export stage if it is not there yet."""
+    from pipeline.export.formats.gguf import GGUF_FILE
+
+    out = output_root / experiment / "export" / head / "gguf"
+    if not (out / GGUF_FILE).is_file():
+        subprocess.run([sys.executable, "-m", "pipeline.run", "stage=export", f"experiment={experiment}",
+                        f"head={head}", "export.format=gguf", f"output_root={output_root}"], check=True, cwd=REPO)
+    return out
+
+
+def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, draft_ns: Sequence[int],
+        eaglet_ns: Sequence[int], threads: int, log_dir: Path) -> dict:
+    """Every turn of the first `limit` questions by every subject (module docstring); the result document."""
+    from pipeline.data.bad_records import BadRecordReport
+    from pipeline.data.chat import render_prompt, stop_token_ids
+    from pipeline.decoding.drafter import make_drafter
+    from pipeline.eval.evaluate import system_messages
+    from pipeline.eval.questions import load_questions
+    from pipeline.export.exporter import load_export
+    from pipeline.export.formats.gguf import GGUF_FILE
+    from pipeline.regen.config import LlamaCppConfig
+    from pipeline.regen.llama_server import LlamaServer, checked_binary
+    from pipeline.target import TargetConfig, load_target, resolve_source
+
+    torch.set_num_threads(threads)
+    tcfg = TargetConfig()
+    kind, target_gguf = resolve_source(tcfg)
+    if kind != "gguf":
+        raise SystemExit(f"the serving bench runs llama.cpp on the target's GGUF; the target is a {kind}")
+    target = load_target(tcfg)
+    eos = set(stop_token_ids(target.tokenizer, target.model))
+    drafter = make_drafter(load_export(export_dir, target.model, device=target.device, dtype=target.model.dtype))
+    questions = load_questions(questions_path, limit, BadRecordReport())
+
+    scfg = LlamaCppConfig(slots=1, ctx_per_slot=4096, threads=threads)
+    binary = checked_binary(scfg, tcfg)
+    draft = str(export_dir / GGUF_FILE)
+    servers = {PLAIN: LlamaServer(binary, target_gguf, scfg, log_dir / "plain.log", 8192)}
+    try:
+        for n in draft_ns:
+            servers[f"llama.cpp+draft{n}"] = LlamaServer(
+                binary, target_gguf, scfg, log_dir / f"draft{n}.log", 8192,
+                extra_args=["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n),
+                            "-td", str(threads), "-tbd", str(threads)])
+        subjects = {name: Subject(name, PLAIN, 0 if name == PLAIN else int(name.rsplit("draft", 1)[1]))
+                    for name in servers}
+        subjects.update({f"eaglet+chain{n}": Subject(f"eaglet+chain{n}", "eaglet", n) for n in eaglet_ns})
+        order = list(subjects)
+        k = 0
+        t0 = time.perf_counter()
+        for qi, q in enumerate(questions):
+            messages = system_messages(q)
+            for user in q.turns:
+                messages.append({"role": "user", "content": user})
+                ids = render_prompt(target.tokenizer, messages)
+                rotated = order[k % len(order):] + order[:k % len(order)]
+                k += 1
+                done = {}
+                for name in rotated:
+                    s = subjects[name]
+                    if s.engine == PLAIN:
+                        done[name] = server_turn(complete(servers[name].port, ids, max_new_tokens))
+                    else:
+                        done[name] = eaglet_turn(target, drafter, ids, s.draft_n, max_new_tokens, eos)
+                for name, turn in done.items():
+                    subjects[name].turns.append(turn)
+                plain_tokens = done[PLAIN]["tokens"]
+                messages.append({"role": "assistant",
+                                 "content": target.tokenizer.decode(plain_tokens, skip_special_tokens=True).strip()})
+            print(f"question {qi + 1}/{len(questions)}: " + ", ".join(
+                f"{n} tau {s.totals(None)['tau']}" for n, s in subjects.items() if s.draft_n), flush=True)
+        elapsed = time.perf_counter() - t0
+    finally:
+        for server in servers.values():
+            server.close()
+    plain = subjects[PLAIN]
+    return {"machine": {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__},
+            "target": {"gguf": Path(target_gguf).name, "eaglet_dtype": target.precision},
+            "draft": {"export": str(export_dir), "gguf_bytes": (export_dir / GGUF_FILE).stat().st_size},
+            "questions": questions_path, "limit": limit, "turns": len(plain.turns),
+            "max_new_tokens": max_new_tokens, "temperature": 0, "elapsed_s": round(elapsed, 1),
+            "rows": {name: s.totals(plain) for name, s in subjects.items()},
+            "turn_tau": {name: [None if t["tau"] is None else round(t["tau"], 4) for t in s.turns]
+                         for name, s in subjects.items() if s.draft_n}}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def table(result: dict) -> str:
+    lines = ["| subject | chain | tau | tokens/s | speedup | = llama.cpp without draft |", "|---|---|---|---|---|---|"]
+    for name, r in result["rows"].items():
+        lines.append(f"| {name} | {r['draft_n'] or '-'} | {r['tau']} | {r['tokens_per_s']} | "
+                     f"{r.get('speedup', '-')} | {r.get('identical_to_llama_cpp', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experiment", default="smollm2_methods")
+    ap.add_argument("--head", default="eagle3", help="the head's name under <experiment>/train")
+    ap.add_argument("--output-root", default=str(REPO / "outputs"))
+    ap.add_argument("--export-dir", help="a GGUF export folder to serve instead of the experiment's head")
+    ap.add_argument("--questions", default=str(MT_BENCH))
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--draft-n", default="1,2,3,4", help="llama.cpp chain lengths (--spec-draft-n-max), one server each")
+    ap.add_argument("--eaglet-n", default="1,2,3", help="eaglet's decoder at these chain lengths ('' for none)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_llamacpp.json"))
+    args = ap.parse_args(argv)
+    export_dir = Path(args.export_dir) if args.export_dir else ensure_export(args.experiment, args.head,
+                                                                             Path(args.output_root))
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    result = run(export_dir, args.questions, args.limit, args.max_new_tokens, ints(args.draft_n), ints(args.eaglet_n),
+                 args.threads, export_dir / "serve_logs")
+    result["table"] = table(result)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(result["table"])
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
