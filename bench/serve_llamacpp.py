@@ -81,13 +81,15 @@ class Subject:
     name: str
     engine: str  # llama.cpp | eaglet
     draft_n: int = 0  # chain length; 0: no draft
+    p_min: float = 0.0  # llama.cpp's --spec-draft-p-min: the chain stops at a draft token less likely than this
     turns: list = field(default_factory=list)
 
     def totals(self, plain: Optional["Subject"]) -> dict:
         tokens = sum(t["new_tokens"] for t in self.turns)
         steps = sum(t["forwards"] for t in self.turns)
         decode_s = sum(t["decode_s"] for t in self.turns)
-        out = {"engine": self.engine, "draft_n": self.draft_n, "turns": len(self.turns), "new_tokens": tokens,
+        out = {"engine": self.engine, "draft_n": self.draft_n, **({"p_min": self.p_min} if self.p_min else {}),
+               "turns": len(self.turns), "new_tokens": tokens,
                "tau": round((tokens - len(self.turns)) / steps, 4) if steps else None,
                "decode_s": round(decode_s, 3), "tokens_per_s": round(tokens / decode_s, 2) if decode_s else None}
         if self.draft_n:
@@ -133,8 +135,11 @@ def ensure_export(experiment: str, head: str, output_root: Path) -> Path:
 
 
 def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, draft_ns: Sequence[int],
-        eaglet_ns: Sequence[int], threads: int, log_dir: Path) -> dict:
-    """Every turn of the first `limit` questions by every subject (module docstring); the result document."""
+        eaglet_ns: Sequence[int], threads: int, log_dir: Path, p_mins: Sequence[float] = (0.0,),
+        server_args: Sequence[str] = ()) -> dict:
+    """Every turn of the first `limit` questions by every subject (module docstring): a server for each chain
+    length in `draft_ns` and p_min in `p_mins`, eaglet's decoder for each chain length in `eaglet_ns`; the result
+    document."""
     from pipeline.data.bad_records import BadRecordReport
     from pipeline.data.chat import render_prompt, stop_token_ids
     from pipeline.decoding.drafter import make_drafter
@@ -153,21 +158,25 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
         raise SystemExit(f"the serving bench runs llama.cpp on the target's GGUF; the target is a {kind}")
     target = load_target(tcfg)
     eos = set(stop_token_ids(target.tokenizer, target.model))
-    drafter = make_drafter(load_export(export_dir, target.model, device=target.device, dtype=target.model.dtype))
+    drafter = make_drafter(load_export(export_dir, target.model, device=target.device, dtype=target.model.dtype)
+                           ) if eaglet_ns else None
     questions = load_questions(questions_path, limit, BadRecordReport())
 
     scfg = LlamaCppConfig(slots=1, ctx_per_slot=4096, threads=threads)
     binary = checked_binary(scfg, tcfg)
     draft = str(export_dir / GGUF_FILE)
-    servers = {PLAIN: LlamaServer(binary, target_gguf, scfg, log_dir / "plain.log", 8192)}
+    servers = {PLAIN: LlamaServer(binary, target_gguf, scfg, log_dir / "plain.log", 8192, extra_args=server_args)}
     try:
+        subjects = {PLAIN: Subject(PLAIN, PLAIN)}
         for n in draft_ns:
-            servers[f"llama.cpp+draft{n}"] = LlamaServer(
-                binary, target_gguf, scfg, log_dir / f"draft{n}.log", 8192,
-                extra_args=["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n),
-                            "-td", str(threads), "-tbd", str(threads)])
-        subjects = {name: Subject(name, PLAIN, 0 if name == PLAIN else int(name.rsplit("draft", 1)[1]))
-                    for name in servers}
+            for p in p_mins:
+                name = f"llama.cpp+draft{n}" + (f"-p{p:g}" if p else "")
+                servers[name] = LlamaServer(
+                    binary, target_gguf, scfg, log_dir / f"{name.split('+')[1]}.log", 8192,
+                    extra_args=["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n),
+                                "--spec-draft-p-min", str(p), "-td", str(threads), "-tbd", str(threads),
+                                *server_args])
+                subjects[name] = Subject(name, PLAIN, n, p)
         subjects.update({f"eaglet+chain{n}": Subject(f"eaglet+chain{n}", "eaglet", n) for n in eaglet_ns})
         order = list(subjects)
         k = 0
@@ -219,9 +228,11 @@ def cpu_name() -> str:
 
 
 def table(result: dict) -> str:
-    lines = ["| subject | chain | tau | tokens/s | speedup | = llama.cpp without draft |", "|---|---|---|---|---|---|"]
+    lines = ["| subject | chain | p_min | tau | tokens/s | speedup | = llama.cpp without draft |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in result["rows"].items():
-        lines.append(f"| {name} | {r['draft_n'] or '-'} | {r['tau']} | {r['tokens_per_s']} | "
+        lines.append(f"| {name} | {r['draft_n'] or '-'} | {r.get('p_min', 0) if r['draft_n'] else '-'} | {r['tau']} | "
+                     f"{r['tokens_per_s']} | "
                      f"{r.get('speedup', '-')} | {r.get('identical_to_llama_cpp', '-')} |")
     return "\n".join(lines)
 
@@ -235,7 +246,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--questions", default=str(MT_BENCH))
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--draft-n", default="1,2,3,4", help="llama.cpp chain lengths (--spec-draft-n-max), one server each")
+    ap.add_argument("--draft-n", default="1,2,3,4", help="llama.cpp's chain lengths (--spec-draft-n-max)")
+    ap.add_argument("--p-min", default="0", help="llama.cpp's --spec-draft-p-min values, a server each with every "
+                                                 "chain length")
+    ap.add_argument("--server-args", default="", help="more llama-server options for every server (e.g. '--poll 0')")
     ap.add_argument("--eaglet-n", default="1,2,3", help="eaglet's decoder at these chain lengths ('' for none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_llamacpp.json"))
@@ -244,7 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                                                              Path(args.output_root))
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     result = run(export_dir, args.questions, args.limit, args.max_new_tokens, ints(args.draft_n), ints(args.eaglet_n),
-                 args.threads, export_dir / "serve_logs")
+                 args.threads, export_dir / "serve_logs", [float(p) for p in args.p_min.split(",")],
+                 args.server_args.split())
     result["table"] = table(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
