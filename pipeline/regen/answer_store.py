@@ -29,13 +29,12 @@ A store of format 1 (eaglet before per-conversation restore) has no digests and 
 finished shards. It still restores into the same run, and `upgrade` gives it digests: it reads the sources
 under the store's run's config, checks that they give the stored plan digest, and digests every conversation.
 
-    python -m pipeline.regen.answer_store save outputs/<experiment>/regen answers/<experiment>   # any time
-    python -m pipeline.regen.answer_store upgrade answers/<experiment> experiment=<experiment> [overrides]
-    python -m pipeline.regen.answer_store check answers/<experiment> experiment=<experiment> [overrides]
+    python -m pipeline.answers save outputs/<experiment>/regen answers/<experiment>   # any time
+    python -m pipeline.answers upgrade answers/<experiment> experiment=<experiment> [overrides]
+    python -m pipeline.answers check answers/<experiment> experiment=<experiment> [overrides]
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import json
@@ -255,7 +254,7 @@ def _kept(store_dir: Path, identity: dict, settings: dict, lines: list[dict]) ->
     if undigested and not same_run:
         raise RegenStateError(f"{store_dir}: {len(undigested)} stored conversations have no digest (saved by an "
                               f"older eaglet) and this run's plan is another: upgrade the store first "
-                              f"(python -m pipeline.regen.answer_store upgrade {store_dir} <the run's overrides>)")
+                              f"(python -m pipeline.answers upgrade {store_dir} <the run's overrides>)")
     here = {e["digest"]: e for e in lines if e.get("digest")}
     here_ids = {e["id"] for e in lines}
     kept = []
@@ -385,7 +384,7 @@ def _restore_conversations(out: RegenDir, identity: dict, plan: Plan, items: lis
         raise RegenStateError(
             f"{store_dir}: {undigested} of its {len(entries)} conversations have no digest (a store of format "
             f"{meta.get('format')}, saved by an older eaglet) and this run's plan is another, so they cannot be "
-            f"matched: upgrade it first under the config that saved it (python -m pipeline.regen.answer_store "
+            f"matched: upgrade it first under the config that saved it (python -m pipeline.answers "
             f"upgrade {store_dir} experiment=<name> [its overrides], e.g. at the commit that saved it)")
     restored, estimated = 0, 0
     for b in sorted(open_batches):
@@ -503,44 +502,3 @@ def check(store_dir: Path, cfg) -> dict:
             "changed": sorted(i for i in stored_ids if i in wanted and wanted[i] not in digests),
             "not_in_plan": len(stored_ids - set(wanted)), "settings_differ": differ,
             "restore_answer_tokens": sum(sum(_turn_tokens(e) or []) for e in entries if e.get("digest") in restorable)}
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.run import to_typed
-
-    overrides = list(overrides)
-    if not any(o.startswith("name=") for o in overrides):  # `name` is Hydra's experiment choice in a run
-        experiment = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), "demo")
-        overrides.append(f"name={experiment}")
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        return to_typed(compose("config", overrides=overrides))
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="action", required=True)
-    s = sub.add_parser("save", help="copy a regen folder's answers into the store")
-    s.add_argument("regen_dir", type=Path)
-    s.add_argument("store_dir", type=Path)
-    for name, what in (("upgrade", "give an older store's conversations their digests (the config it was saved "
-                                    "under)"),
-                       ("check", "what a regen of this config would restore, without generating")):
-        p = sub.add_parser(name, help=what)
-        p.add_argument("store_dir", type=Path)
-        p.add_argument("overrides", nargs="*", help="Hydra overrides, as for pipeline.run: experiment=<name> ...")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.action == "save":
-        print(json.dumps(save(args.regen_dir, args.store_dir)))
-    elif args.action == "upgrade":
-        print(json.dumps(upgrade(args.store_dir, _compose(args.overrides))))
-    else:
-        result = check(args.store_dir, _compose(args.overrides))
-        print(json.dumps({**result, "changed": result["changed"][:20]}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
