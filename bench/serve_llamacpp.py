@@ -84,7 +84,9 @@ class Subject:
     p_min: float = 0.0  # llama.cpp's --spec-draft-p-min: the chain stops at a draft token less likely than this
     turns: list = field(default_factory=list)
 
-    def totals(self, plain: Optional["Subject"]) -> dict:
+    def totals(self, plain: Optional["Subject"], vanilla: Optional["Subject"] = None) -> dict:
+        """This subject's sums; with `plain` (the no-draft server) its identical turns and, for a server with the
+        draft, its speedup; with `vanilla` (eaglet's decoder without a draft) an eaglet row's speedup."""
         tokens = sum(t["new_tokens"] for t in self.turns)
         steps = sum(t["forwards"] for t in self.turns)
         decode_s = sum(t["decode_s"] for t in self.turns)
@@ -98,9 +100,39 @@ class Subject:
         if plain is not None and plain is not self:
             same = [t["tokens"] == p["tokens"] for t, p in zip(self.turns, plain.turns)]
             out["identical_to_llama_cpp"] = f"{sum(same)}/{len(same)}"
-            if self.engine == PLAIN and out["tokens_per_s"]:
-                out["speedup"] = round(out["tokens_per_s"] / plain.totals(None)["tokens_per_s"], 3)
+            base = plain if self.engine == PLAIN else vanilla
+            if self.draft_n and base is not None and out["tokens_per_s"]:
+                out["speedup"] = round(out["tokens_per_s"] / base.totals(None)["tokens_per_s"], 3)
         return out
+
+
+def top2_gap(port: int, prefix_ids: Sequence[int]) -> dict:
+    """The no-draft server's two most likely next tokens after `prefix_ids` and their logit gap (the log-prob
+    difference): how near a tie the position where two outputs part is."""
+    body = {"prompt": [int(t) for t in prefix_ids], "n_predict": 1, "temperature": 0.0, "cache_prompt": False,
+            "n_probs": 2}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        top = json.loads(r.read())["completion_probabilities"][0]["top_logprobs"]
+    return {"top2": [t["id"] for t in top[:2]], "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5)}
+
+
+def divergences(subject: "Subject", plain: "Subject", prompts: Sequence[Sequence[int]], port: int) -> list[dict]:
+    """Where `subject`'s output parts from the no-draft server's, turn by turn: the first differing position,
+    both tokens, and the no-draft server's top-2 there with their logit gap (top2_gap)."""
+    out = []
+    for i, (mine, ref) in enumerate(zip(subject.turns, plain.turns)):
+        a, b = mine["tokens"], ref["tokens"]
+        if a == b:
+            continue
+        j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        row = {"turn": i, "position": j, "token": a[j] if j < len(a) else None,
+               "no_draft_token": b[j] if j < len(b) else None}
+        if j < len(a) and j < len(b):
+            row.update(top2_gap(port, list(prompts[i]) + b[:j]))
+        out.append(row)
+    return out
 
 
 def server_turn(resp: dict) -> dict:
@@ -113,8 +145,14 @@ def server_turn(resp: dict) -> dict:
 
 
 def eaglet_turn(target, drafter, prompt_ids, n: int, max_new_tokens: int, eos) -> dict:
-    from pipeline.decoding.decoder import generate
+    """eaglet's decoder on one prompt: a chain of up to `n` drafts a step, or vanilla decoding for n = 0."""
+    from pipeline.decoding.decoder import generate, vanilla_generate
 
+    if n == 0:
+        res = vanilla_generate(target.model, torch.tensor(prompt_ids), max_new_tokens, temperature=0.0,
+                               eos_token_ids=eos)
+        return {"tokens": list(res.tokens), "new_tokens": len(res.tokens), "forwards": max(len(res.tokens) - 1, 0),
+                "decode_s": res.wall_time, "tau": 1.0}
     res = generate(target.model, drafter, torch.tensor(prompt_ids), max_new_tokens, temperature=0.0,
                    tree=chain_tree(n), eos_token_ids=eos)
     forwards = res.n_target_forwards
@@ -177,15 +215,19 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
                                 "--spec-draft-p-min", str(p), "-td", str(threads), "-tbd", str(threads),
                                 *server_args])
                 subjects[name] = Subject(name, PLAIN, n, p)
+        if eaglet_ns:  # eaglet's decoder without a draft, then with the chains
+            subjects["eaglet"] = Subject("eaglet", "eaglet")
         subjects.update({f"eaglet+chain{n}": Subject(f"eaglet+chain{n}", "eaglet", n) for n in eaglet_ns})
         order = list(subjects)
         k = 0
+        prompts = []
         t0 = time.perf_counter()
         for qi, q in enumerate(questions):
             messages = system_messages(q)
             for user in q.turns:
                 messages.append({"role": "user", "content": user})
                 ids = render_prompt(target.tokenizer, messages)
+                prompts.append(ids)
                 rotated = order[k % len(order):] + order[:k % len(order)]
                 k += 1
                 done = {}
@@ -203,6 +245,8 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
             print(f"question {qi + 1}/{len(questions)}: " + ", ".join(
                 f"{n} tau {s.totals(None)['tau']}" for n, s in subjects.items() if s.draft_n), flush=True)
         elapsed = time.perf_counter() - t0
+        parted = {name: divergences(s, subjects[PLAIN], prompts, servers[PLAIN].port)
+                  for name, s in subjects.items() if name != PLAIN}
     finally:
         for server in servers.values():
             server.close()
@@ -212,7 +256,11 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
             "draft": {"export": str(export_dir), "gguf_bytes": (export_dir / GGUF_FILE).stat().st_size},
             "questions": questions_path, "limit": limit, "turns": len(plain.turns),
             "max_new_tokens": max_new_tokens, "temperature": 0, "elapsed_s": round(elapsed, 1),
-            "rows": {name: s.totals(plain) for name, s in subjects.items()},
+            "rows": {name: s.totals(plain, subjects.get("eaglet")) for name, s in subjects.items()},
+            # Turns whose output is not the no-draft server's: where they part, and how near a tie that is.
+            "divergences": parted,
+            "max_divergence_logit_gap": {name: max((d.get("logit_gap", 0) for d in rows), default=None)
+                                         for name, rows in parted.items()},
             "turn_tau": {name: [None if t["tau"] is None else round(t["tau"], 4) for t in s.turns]
                          for name, s in subjects.items() if s.draft_n}}
 

@@ -28,7 +28,8 @@ def test_llama_server_with_the_export_against_itself_without_and_eaglet(smollm2,
     result = run(out, "", limit=1, max_new_tokens=24, draft_ns=[2], eaglet_ns=[2], threads=1,
                  log_dir=tmp_path / "logs")
     rows = result["rows"]
-    assert set(rows) == {"llama.cpp", "llama.cpp+draft2", "eaglet+chain2"}
+    assert set(rows) == {"llama.cpp", "llama.cpp+draft2", "eaglet", "eaglet+chain2"}
+    assert rows["eaglet"]["tau"] == 1 and rows["eaglet+chain2"]["speedup"] > 0  # against eaglet without a draft
     turns = result["turns"]
     assert turns >= 1 and all(r["turns"] == turns for r in rows.values())
     drafted = rows["llama.cpp+draft2"]
@@ -42,3 +43,10 @@ def test_llama_server_with_the_export_against_itself_without_and_eaglet(smollm2,
     means = [float(m) for m in re.findall(r"mean len =\s*([0-9.]+)", log)]
     assert means, "llama-server logged no draft acceptance"
     assert abs(means[-1] - result["turn_tau"]["llama.cpp+draft2"][-1]) < 0.01
+    # Where an output parts from the no-draft server's, the bench asks that server for its top-2 there: its own
+    # greedy token must be its top-1 (the gap says how near a tie the parting is).
+    assert result["divergences"]["llama.cpp+draft2"] == []
+    for rows in result["divergences"].values():
+        for d in rows:
+            if "top2" in d:
+                assert d["no_draft_token"] == d["top2"][0] and d["logit_gap"] >= 0
