@@ -66,13 +66,18 @@ def complete(port: int, prompt_ids: Sequence[int], max_new_tokens: int, timeout_
     """One greedy completion of `prompt_ids` by the llama-server on `port`: its tokens and timings."""
     body = {"prompt": [int(t) for t in prompt_ids], "n_predict": max_new_tokens, "temperature": 0.0,
             "cache_prompt": False, "return_tokens": True}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=timeout_s) as r:
-        out = json.loads(r.read())
+    out = _post(port, body, timeout_s)
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def _post(port: int, body: dict, timeout_s: float = 600) -> dict:
+    """The llama-server on `port`'s answer to a /completion request `body`."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as r:
+        return json.loads(r.read())
 
 
 @dataclass
@@ -111,10 +116,7 @@ def top2_gap(port: int, prefix_ids: Sequence[int]) -> dict:
     difference): how near a tie the position where two outputs part is."""
     body = {"prompt": [int(t) for t in prefix_ids], "n_predict": 1, "temperature": 0.0, "cache_prompt": False,
             "n_probs": 2}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as r:
-        top = json.loads(r.read())["completion_probabilities"][0]["top_logprobs"]
+    top = _post(port, body)["completion_probabilities"][0]["top_logprobs"]
     return {"top2": [t["id"] for t in top[:2]], "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5)}
 
 
