@@ -16,6 +16,12 @@ class OnDegenerate(Choice):
     drop = "drop"  # drop the conversation
 
 
+class FlashAttention(Choice):
+    auto = "auto"  # llama.cpp's default: on wherever the backend has the kernel, the CPU included
+    on = "on"
+    off = "off"
+
+
 class KVCacheKind(Choice):
     dynamic = "dynamic"
     static = "static"
@@ -53,6 +59,14 @@ class LlamaCppConfig:
     threads: Optional[int] = None  # None: this process's CPUs shared among the ranks on the node
     startup_timeout_s: float = 120.0
     timeout_s: float = 1800.0  # per request: a slot shares the CPU with slots - 1 others
+    # llama.cpp's flash attention (`-fa`). Off by default: on CPU its kernel decodes slower than the plain one
+    # (SmolLM2-135M, 2-core Xeon AMX, llama-batched-bench: 105 vs 189 tok/s for one sequence, 81 vs 176 for 32
+    # sequences at 1k context, 40 vs 114 at 2k; docs/results/speed.md). Set auto or on with a GPU build, where it
+    # is faster and its memory at long context is what matters.
+    flash_attn: FlashAttention = FlashAttention.off
+
+    def __post_init__(self) -> None:
+        self.flash_attn = FlashAttention.parse(self.flash_attn, "regen.llamacpp.flash_attn")
 
 
 @dataclass

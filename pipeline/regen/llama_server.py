@@ -98,6 +98,7 @@ class LlamaServer(ManagedServer):
         threads = cfg.threads or default_threads()
         self._start([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                      "-np", str(cfg.slots), "-c", str(cfg.slots * min(cfg.ctx_per_slot, max_seq)),
-                     "-t", str(threads), "-tb", str(threads), "--no-webui", *extra_args], cfg.startup_timeout_s)
-        log.info("llama-server up in %.1f s: %d slots x %d tokens, %d threads (%s)", self.startup_s, cfg.slots,
-                 cfg.ctx_per_slot, threads, log_path)
+                     "-t", str(threads), "-tb", str(threads), "-fa", str(cfg.flash_attn), "--no-webui",
+                     *extra_args], cfg.startup_timeout_s)
+        log.info("llama-server up in %.1f s: %d slots x %d tokens, %d threads, flash attention %s (%s)",
+                 self.startup_s, cfg.slots, cfg.ctx_per_slot, threads, cfg.flash_attn, log_path)
