@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_stages import cpu_model
 from pipeline.files import sha256_file
 from pipeline.heads import build_draft_head
 from pipeline.heads.config import DraftHeadConfig
 from pipeline.heads.io import frozen_names
+from pipeline.precision import cpu_description
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
 from pipeline.train.parallel import Parallel
@@ -109,7 +109,7 @@ def main() -> None:
     save_rate, snapshot_rate = nbytes / med["sync_blocked_s"], nbytes / med["async_blocked_s"]
     hash_rate = nbytes / hash_s
     result = {
-        "machine": cpu_model(), "threads": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "machine": cpu_description(), "threads": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "smollm2_head": {"trainable_parameters": small_params, "checkpoint_bytes": nbytes,
                          "files": {str(p.relative_to(last)): p.stat().st_size for p in files}},
@@ -123,7 +123,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
     b = result["llama_70b_head"]
-    print(f"{cpu_model()}, {os.cpu_count()} cores; median of {args.repeats}")
+    print(f"{cpu_description()}, {os.cpu_count()} cores; median of {args.repeats}")
     print(f"EAGLE-3 head of SmolLM2-135M's size: {small_params / 1e6:.1f}M trainable parameters, checkpoint "
           f"{nbytes / 1e6:.0f} MB")
     print(f"{'':24}{'loop blocked':>14}{'checkpoint whole':>18}")

@@ -26,12 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.bench_stages import cpu_model
 from pipeline.config import EagletConfig
 from pipeline.data.config import DataConfig, SourceConfig
 from pipeline.heads import Eagle3HeadConfig
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.reader import DumpReader, verify_shards
+from pipeline.precision import cpu_description
 from pipeline.target import TargetConfig
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import split_train_val, truncated_lengths
@@ -111,7 +111,7 @@ def main() -> None:
 
     extra_warm = statistics.median(checked) - statistics.median(plain)
     result = {
-        "machine": cpu_model(), "threads": os.cpu_count(),
+        "machine": cpu_description(), "threads": os.cpu_count(),
         "dump": {"conversations": args.conversations, "tokens": tokens, "bytes": dump_bytes,
                  "dtype": manifest["dtype"], "shards": len(manifest["shards"])},
         "open_s": {"plain_median": statistics.median(plain), "checked_median": statistics.median(checked),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -103,14 +102,9 @@ def reader_section(work: Path, counts: list[int]) -> dict:
     return reader_open_times(work, counts=tuple(counts))
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def main() -> None:
+    from pipeline.precision import cpu_description
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
     ap.add_argument("--sections", default="rss,tp,reader")
@@ -120,7 +114,7 @@ def main() -> None:
     sections = args.sections.split(",")
     from pipeline.manifest import code_version
 
-    result = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "command": "python -m bench.bench_scale",
+    result = {"machine": {"cpu": cpu_description(), "cores": os.cpu_count()}, "command": "python -m bench.bench_scale",
               "date": time.strftime("%Y-%m-%d"), "code_version": code_version()}
     with tempfile.TemporaryDirectory(prefix="eaglet-bench-scale-") as tmp:
         work = Path(tmp)

@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import torch
 
 from pipeline.config import EagletConfig
 from pipeline.data.config import DataConfig
+from pipeline.precision import cpu_description
 from pipeline.regen.config import LlamaCppConfig, RegenConfig
 from pipeline.regen.llama_server import binary_path
 from pipeline.regen.shards import regen_sources
@@ -190,7 +190,7 @@ def bench_regen(args, work: Path) -> dict:
     best = max(measured, key=lambda n: rows[n]["tokens_per_s"])
     return {"workload": {"source": str(WORKLOAD.relative_to(REPO.parent)), "conversations": args.conversations,
                          "max_new_tokens": args.max_new_tokens, "temperature": 0},
-            "machine": {"cpu": cpu_model(), "threads": args.threads},
+            "machine": {"cpu": cpu_description(), "threads": args.threads},
             "reference": args.reference,
             "baseline": {"name": base_name, "tokens_per_s": base["tokens_per_s"]},
             "best": {"name": best, "tokens_per_s": rows[best]["tokens_per_s"]},
@@ -359,18 +359,6 @@ def bench_eval(cfgs: dict, questions: int, max_new_tokens: int) -> dict:
     return out
 
 
-def cpu_model() -> str:
-    """The CPU's model name and its bf16 matmul extensions (the figures depend on both: AMX or AVX512-BF16)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.machine())
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return f"{name} ({', '.join(f for f in ('amx_bf16', 'avx512_bf16') if f in flags) or 'no bf16 matmul flags'})"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=128)
@@ -405,7 +393,7 @@ def main() -> None:
     stages = args.stages.split(",")
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.is_file() else {}  # stages not rerun keep their figures
-    result["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
+    result["machine"] = {"cpu": cpu_description(), "cores": os.cpu_count(), "threads": args.threads,
                          "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="eaglet-bench-stages-") as tmp:
         work = Path(args.work or tmp)

@@ -528,9 +528,9 @@ def code_version() -> str:
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "platform": platform.platform(),
+    from pipeline.precision import cpu_description  # torch: imported only where the machine is described
+
+    return {"cpu": cpu_description(), "cores": len(os.sched_getaffinity(0)), "platform": platform.platform(),
             "python": platform.python_version(), "torch": importlib.metadata.version("torch"),
             "transformers": importlib.metadata.version("transformers")}
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+
+from pipeline.precision import cpu_description
 
 REPO = Path(__file__).resolve().parents[1]
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -253,7 +254,7 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
         for server in servers.values():
             server.close()
     plain = subjects[PLAIN]
-    return {"machine": {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__},
+    return {"machine": {"cpu": cpu_description(), "threads": threads, "torch": torch.__version__},
             "target": {"gguf": Path(target_gguf).name, "eaglet_dtype": target.precision},
             "draft": {"export": str(export_dir), "gguf_bytes": (export_dir / GGUF_FILE).stat().st_size},
             "questions": questions_path, "limit": limit, "turns": len(plain.turns),
@@ -265,16 +266,6 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
                                          for name, rows in parted.items()},
             "turn_tau": {name: [None if t["tau"] is None else round(t["tau"], 4) for t in s.turns]
                          for name, s in subjects.items() if s.draft_n}}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def table(result: dict) -> str:

@@ -78,9 +78,7 @@ def measure_cpu_bf16_speedup(m: int = 512, k: int = 576, n: int = 1536, reps: in
 
 def _decision_file() -> Path:
     """Where this machine's CPU decision is kept: per CPU model and torch version, in eaglet's cache."""
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    key = hashlib.sha256(f"{model}|{torch.__version__}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{cpu_model_name()}|{torch.__version__}".encode()).hexdigest()[:12]
     return default_cache_root() / f"precision-{key}.json"
 
 
@@ -127,11 +125,28 @@ def fast_bf16(device_type: str) -> bool:
     return _cpu_decision()
 
 
+def _cpu_flags() -> set[str]:
+    line = next((line for line in _cpuinfo() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what `platform` knows where there is none."""
+    return next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+                platform.processor() or platform.machine())
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its bf16 matmul extensions, which every CPU figure depends on (AMX, AVX512-BF16 or
+    neither: the model name alone does not say), e.g. 'Intel(R) Xeon(R) Processor (amx_bf16, avx512_bf16)'."""
+    flags = [f for f in ("amx_bf16", "avx512_bf16") if f in _cpu_flags()]
+    return f"{cpu_model_name()} ({', '.join(flags) or 'no bf16 matmul flags'})"
+
+
 def cpu_computes_bf16() -> bool:
     """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX-BF16) rather than converting to fp32, from
     /proc/cpuinfo: what a server in another process (vLLM) will find, without measuring here."""
-    flags = next((line for line in _cpuinfo() if line.startswith("flags")), "")
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
 def resolve_dtype(name: str, device: torch.device, what: str = "dtype",
