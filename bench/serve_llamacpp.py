@@ -114,16 +114,29 @@ class Subject:
 
 def top2_gap(port: int, prefix_ids: Sequence[int]) -> dict:
     """The no-draft server's two most likely next tokens after `prefix_ids` and their logit gap (the log-prob
-    difference): how near a tie the position where two outputs part is."""
-    body = {"prompt": [int(t) for t in prefix_ids], "n_predict": 1, "temperature": 0.0, "cache_prompt": False,
-            "n_probs": 2}
-    top = _post(port, body)["completion_probabilities"][0]["top_logprobs"]
-    return {"top2": [t["id"] for t in top[:2]], "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5)}
+    difference), computed two ways, since llama.cpp's kernels round differently per batch size:
+    - `decode`: the last token evaluated alone, after the rest was cached, as the no-draft server decodes (one
+      token per forward);
+    - `batch`: the whole prefix in one forward, as a drafting server verifies (several tokens per forward).
+    Where both agree, a parting output near that tie is the draft's doing; where each path's top-1 is the token
+    its server emitted, it is the kernels'."""
+    _post(port, {"prompt": [int(t) for t in prefix_ids[:-1]], "n_predict": 0, "cache_prompt": True})
+
+    def top2(cache_prompt: bool) -> dict:
+        out = _post(port, {"prompt": [int(t) for t in prefix_ids], "n_predict": 1, "temperature": 0.0,
+                           "cache_prompt": cache_prompt, "n_probs": 2})
+        top = out["completion_probabilities"][0]["top_logprobs"]
+        return {"top2": [t["id"] for t in top[:2]], "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5),
+                "evaluated": int(out["timings"]["prompt_n"])}  # tokens of the prompt this forward computed
+
+    decode = top2(True)  # the cache holds prefix_ids[:-1]: one token evaluated
+    batch = top2(False)
+    return {"decode": decode, "batch": batch}
 
 
 def divergences(subject: "Subject", plain: "Subject", prompts: Sequence[Sequence[int]], port: int) -> list[dict]:
     """Where `subject`'s output parts from the no-draft server's, turn by turn: the first differing position,
-    both tokens, and the no-draft server's top-2 there with their logit gap (top2_gap)."""
+    both tokens, and the no-draft server's top-2 there, decoding one token and in a batch (top2_gap)."""
     out = []
     for i, (mine, ref) in enumerate(zip(subject.turns, plain.turns)):
         a, b = mine["tokens"], ref["tokens"]
@@ -173,6 +186,13 @@ def ensure_export(experiment: str, head: str, output_root: Path) -> Path:
         subprocess.run([sys.executable, "-m", "pipeline.run", "stage=export", f"experiment={experiment}",
                         f"head={head}", "export.format=gguf", f"output_root={output_root}"], check=True, cwd=REPO)
     return out
+
+
+def kernel_parting(row: dict) -> bool:
+    """Whether a divergence (divergences) is the no-draft server's decode path choosing its token and its batched
+    path choosing the drafted output's: the two outputs part where llama.cpp's kernels round a near tie apart."""
+    return ("decode" in row and row["decode"]["evaluated"] == 1 and row["decode"]["top2"][0] == row["no_draft_token"]
+            and row["batch"]["top2"][0] == row["token"])
 
 
 def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, draft_ns: Sequence[int],
@@ -262,8 +282,12 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
             "rows": {name: s.totals(plain, subjects.get("eaglet")) for name, s in subjects.items()},
             # Turns whose output is not the no-draft server's: where they part, and how near a tie that is.
             "divergences": parted,
-            "max_divergence_logit_gap": {name: max((d.get("logit_gap", 0) for d in rows), default=None)
-                                         for name, rows in parted.items()},
+            "max_divergence_logit_gap": {name: max((d["decode"]["logit_gap"] for d in rows if "decode" in d),
+                                                   default=None) for name, rows in parted.items()},
+            # Partings where each of the no-draft server's paths picks the token its server emitted there (decode:
+            # the no-draft output's, batch: the drafted output's): the kernels' rounding, not the draft.
+            "kernel_partings": {name: f"{sum(kernel_parting(d) for d in rows)}/{len(rows)}"
+                                for name, rows in parted.items() if subjects[name].engine == PLAIN},
             "turn_tau": {name: [None if t["tau"] is None else round(t["tau"], 4) for t in s.turns]
                          for name, s in subjects.items() if s.draft_n}}
 

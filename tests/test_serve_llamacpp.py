@@ -34,7 +34,12 @@ def test_llama_server_with_the_export_against_itself_without_and_eaglet(smollm2,
     assert turns >= 1 and all(r["turns"] == turns for r in rows.values())
     drafted = rows["llama.cpp+draft2"]
     assert drafted["drafted"] > 0  # the server loaded the draft and drafted with it
-    assert drafted["identical_to_llama_cpp"] == f"{turns}/{turns}"  # lossless greedy
+    # Lossless greedy, up to llama.cpp's own arithmetic: a drafting server verifies several tokens per forward,
+    # whose kernels round apart from one token's; an output that parts must part where the no-draft server's own
+    # batched forward picks the drafted output's token (kernel_parting), and nowhere else.
+    same, total = map(int, drafted["identical_to_llama_cpp"].split("/"))
+    assert total == turns
+    assert result["kernel_partings"]["llama.cpp+draft2"] == f"{turns - same}/{turns - same}"
     assert drafted["tau"] >= 1 and rows["eaglet+chain2"]["tau"] >= 1
     assert rows["eaglet+chain2"]["drafted"] > 0
     # The server's own account of the last request: "draft acceptance = ... mean len = X". Its steps without a
@@ -43,10 +48,10 @@ def test_llama_server_with_the_export_against_itself_without_and_eaglet(smollm2,
     means = [float(m) for m in re.findall(r"mean len =\s*([0-9.]+)", log)]
     assert means, "llama-server logged no draft acceptance"
     assert abs(means[-1] - result["turn_tau"]["llama.cpp+draft2"][-1]) < 0.01
-    # Where an output parts from the no-draft server's, the bench asks that server for its top-2 there: its own
-    # greedy token must be its top-1 (the gap says how near a tie the parting is).
-    assert result["divergences"]["llama.cpp+draft2"] == []
+    # Where an output parts from the no-draft server's, the bench asks that server for its top-2 there, one token
+    # evaluated alone (as it decodes) and the prefix in one batch: decoding alone, its greedy token is its top-1.
     for rows in result["divergences"].values():
         for d in rows:
-            if "top2" in d:
-                assert d["no_draft_token"] == d["top2"][0] and d["logit_gap"] >= 0
+            if "decode" in d:
+                assert d["decode"]["evaluated"] == 1 and d["batch"]["evaluated"] > 1
+                assert d["no_draft_token"] == d["decode"]["top2"][0] and d["decode"]["logit_gap"] >= 0
