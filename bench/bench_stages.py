@@ -70,7 +70,10 @@ ENGINES: dict[str, tuple[str, list[str]]] = {
     "hf-fp32-first-turns": ("hf", ["target.dtype=float32"]),
     "hf-bf16": ("hf", ["target.dtype=bfloat16"]),
     "hf-bf16-static-compile": ("hf", ["target.dtype=bfloat16", "regen.hf.cache=static", "regen.hf.compile=true"]),
-    "llama.cpp": ("llamacpp", ["target.dtype=float32"]),
+    "llama.cpp": ("llamacpp", ["target.dtype=float32"]),  # flash attention off (regen.llamacpp.flash_attn)
+    # llama.cpp's own default, flash attention where the backend has it (the CPU included): what eaglet ran
+    # before regen.llamacpp.flash_attn turned it off (`--engines llama.cpp,llama.cpp-fa` measures both).
+    "llama.cpp-fa": ("llamacpp", ["target.dtype=float32", "regen.llamacpp.flash_attn=auto"]),
     "vllm": ("vllm", []),
     "openvino": ("openvino", []),
     "ctranslate2": ("ctranslate2", []),
