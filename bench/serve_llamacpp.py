@@ -100,6 +100,8 @@ class Subject:
                "turns": len(self.turns), "new_tokens": tokens,
                "tau": round((tokens - len(self.turns)) / steps, 4) if steps else None,
                "decode_s": round(decode_s, 3), "tokens_per_s": round(tokens / decode_s, 2) if decode_s else None}
+        if steps:  # one decoding step: a target forward, and for a drafting subject the draft's work before it
+            out["step_ms"] = round(1000 * decode_s / steps, 3)
         if self.draft_n:
             out["drafted"] = sum(t.get("drafted", 0) for t in self.turns)
             out["accepted"] = sum(t.get("accepted", 0) for t in self.turns)
@@ -108,35 +110,52 @@ class Subject:
             out["identical_to_llama_cpp"] = f"{sum(same)}/{len(same)}"
             base = plain if self.engine == PLAIN else vanilla
             if self.draft_n and base is not None and out["tokens_per_s"]:
-                out["speedup"] = round(out["tokens_per_s"] / base.totals(None)["tokens_per_s"], 3)
+                ref = base.totals(None)
+                out["speedup"] = round(out["tokens_per_s"] / ref["tokens_per_s"], 3)
+                if out.get("step_ms") and ref.get("step_ms"):  # the tau at which this subject would break even
+                    out["breakeven_tau"] = round(out["step_ms"] / ref["step_ms"], 3)
         return out
 
 
-def top2_gap(port: int, prefix_ids: Sequence[int]) -> dict:
-    """The no-draft server's two most likely next tokens after `prefix_ids` and their logit gap (the log-prob
-    difference), computed two ways, since llama.cpp's kernels round differently per batch size:
-    - `decode`: the last token evaluated alone, after the rest was cached, as the no-draft server decodes (one
-      token per forward);
-    - `batch`: the whole prefix in one forward, as a drafting server verifies (several tokens per forward).
-    Where both agree, a parting output near that tie is the draft's doing; where each path's top-1 is the token
-    its server emitted, it is the kernels'."""
-    _post(port, {"prompt": [int(t) for t in prefix_ids[:-1]], "n_predict": 0, "cache_prompt": True})
-
-    def top2(cache_prompt: bool) -> dict:
-        out = _post(port, {"prompt": [int(t) for t in prefix_ids], "n_predict": 1, "temperature": 0.0,
-                           "cache_prompt": cache_prompt, "n_probs": 2})
-        top = out["completion_probabilities"][0]["top_logprobs"]
-        return {"top2": [t["id"] for t in top[:2]], "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5),
-                "evaluated": int(out["timings"]["prompt_n"])}  # tokens of the prompt this forward computed
-
-    decode = top2(True)  # the cache holds prefix_ids[:-1]: one token evaluated
-    batch = top2(False)
-    return {"decode": decode, "batch": batch}
+def top2_at(port: int, prompt_ids: Sequence[int], tokens: Sequence[int], position: int) -> Optional[dict]:
+    """A server's own two most likely tokens at `position` of its greedy output `tokens` for `prompt_ids`, and
+    their logit gap (the log-prob difference): the same request again with `n_probs`, so the logits come from the
+    very path the server decoded (its KV cache built as it was, a token or a verified chain at a time; a prefix
+    prefilled in one batch would round differently). None when the server does not report them there."""
+    resp = _post(port, {"prompt": [int(t) for t in prompt_ids], "n_predict": position + 1, "temperature": 0.0,
+                        "cache_prompt": False, "n_probs": 2, "return_tokens": True})
+    probs = resp.get("completion_probabilities") or []
+    if list(resp["tokens"][:position + 1]) != list(tokens[:position + 1]) or len(probs) <= position:
+        return None
+    top = probs[position]["top_logprobs"]
+    return {"top2": [t["id"] for t in top[:2]], "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5)}
 
 
-def divergences(subject: "Subject", plain: "Subject", prompts: Sequence[Sequence[int]], port: int) -> list[dict]:
+def forward_cost(port: int, prefix_ids: Sequence[int], counts: Sequence[int] = (1, 2, 3, 4, 5),
+                 repeats: int = 5) -> dict:
+    """The no-draft server's target forward over k new tokens after a cached `prefix_ids`, for k in `counts`:
+    median milliseconds (the server's prompt timing) and the ratio to one token. A drafting server verifies
+    chain + 1 tokens in one such forward, so where k tokens cost about k times one, drafting cannot pay."""
+    out = {}
+    for k in counts:
+        times = []
+        for r in range(repeats):
+            extra = [int(t) for t in prefix_ids[-k - r - 1:-r - 1]]  # k prompt tokens as the continuation
+            _post(port, {"prompt": [int(t) for t in prefix_ids], "n_predict": 0, "cache_prompt": True})
+            resp = _post(port, {"prompt": [int(t) for t in prefix_ids] + extra, "n_predict": 1, "temperature": 0.0,
+                                "cache_prompt": True})
+            if int(resp["timings"]["prompt_n"]) == k:
+                times.append(float(resp["timings"]["prompt_ms"]))
+        out[k] = round(sorted(times)[len(times) // 2], 3) if times else None
+    one = out.get(1)
+    return {"ms": out, "vs_one_token": {k: round(v / one, 3) for k, v in out.items() if v and one}}
+
+
+def divergences(subject: "Subject", plain: "Subject", prompts: Sequence[Sequence[int]], plain_port: int,
+                port: Optional[int] = None) -> list[dict]:
     """Where `subject`'s output parts from the no-draft server's, turn by turn: the first differing position,
-    both tokens, and the no-draft server's top-2 there, decoding one token and in a batch (top2_gap)."""
+    both tokens, and there the no-draft server's own top-2 (`no_draft`) and, for a server (`port`), the drafting
+    server's own (`drafted`), each on the path it decoded (top2_at)."""
     out = []
     for i, (mine, ref) in enumerate(zip(subject.turns, plain.turns)):
         a, b = mine["tokens"], ref["tokens"]
@@ -146,9 +165,21 @@ def divergences(subject: "Subject", plain: "Subject", prompts: Sequence[Sequence
         row = {"turn": i, "position": j, "token": a[j] if j < len(a) else None,
                "no_draft_token": b[j] if j < len(b) else None}
         if j < len(a) and j < len(b):
-            row.update(top2_gap(port, list(prompts[i]) + b[:j]))
+            row["no_draft"] = top2_at(plain_port, prompts[i], b, j)
+            if port is not None:
+                row["drafted"] = top2_at(port, prompts[i], a, j)
         out.append(row)
     return out
+
+
+def near_tie_swap(row: dict) -> bool:
+    """Whether a divergence (divergences) is two near-equal tokens trading places: the no-draft server's runner-up
+    there is the drafting server's token, and the drafting server's runner-up (where it reports one) the no-draft
+    server's. A parting that is not such a swap is a drafted token the target would not have chosen."""
+    nd, dr = row.get("no_draft"), row.get("drafted")
+    if nd is None or nd["top2"] != [row["no_draft_token"], row["token"]]:
+        return False
+    return dr is None or dr["top2"] == [row["token"], row["no_draft_token"]]
 
 
 def server_turn(resp: dict) -> dict:
@@ -186,13 +217,6 @@ def ensure_export(experiment: str, head: str, output_root: Path) -> Path:
         subprocess.run([sys.executable, "-m", "pipeline.run", "stage=export", f"experiment={experiment}",
                         f"head={head}", "export.format=gguf", f"output_root={output_root}"], check=True, cwd=REPO)
     return out
-
-
-def kernel_parting(row: dict) -> bool:
-    """Whether a divergence (divergences) is the no-draft server's decode path choosing its token and its batched
-    path choosing the drafted output's: the two outputs part where llama.cpp's kernels round a near tie apart."""
-    return ("decode" in row and row["decode"]["evaluated"] == 1 and row["decode"]["top2"][0] == row["no_draft_token"]
-            and row["batch"]["top2"][0] == row["token"])
 
 
 def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, draft_ns: Sequence[int],
@@ -268,7 +292,9 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
             print(f"question {qi + 1}/{len(questions)}: " + ", ".join(
                 f"{n} tau {s.totals(None)['tau']}" for n, s in subjects.items() if s.draft_n), flush=True)
         elapsed = time.perf_counter() - t0
-        parted = {name: divergences(s, subjects[PLAIN], prompts, servers[PLAIN].port)
+        cost = forward_cost(servers[PLAIN].port, prompts[0], counts=sorted({1, *(n + 1 for n in draft_ns)}))
+        parted = {name: divergences(s, subjects[PLAIN], prompts, servers[PLAIN].port,
+                                    servers[name].port if s.engine == PLAIN else None)
                   for name, s in subjects.items() if name != PLAIN}
     finally:
         for server in servers.values():
@@ -280,25 +306,29 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
             "questions": questions_path, "limit": limit, "turns": len(plain.turns),
             "max_new_tokens": max_new_tokens, "temperature": 0, "elapsed_s": round(elapsed, 1),
             "rows": {name: s.totals(plain, subjects.get("eaglet")) for name, s in subjects.items()},
+            # The target's forward over k tokens against one (llama.cpp, no draft): a chain of n is verified in a
+            # forward of n + 1 tokens.
+            "target_forward_cost": cost,
             # Turns whose output is not the no-draft server's: where they part, and how near a tie that is.
             "divergences": parted,
-            "max_divergence_logit_gap": {name: max((d["decode"]["logit_gap"] for d in rows if "decode" in d),
+            # The no-draft server's largest top-2 gap at a parting: how near a tie every parting was.
+            "max_divergence_logit_gap": {name: max((d["no_draft"]["logit_gap"] for d in rows if d.get("no_draft")),
                                                    default=None) for name, rows in parted.items()},
-            # Partings where each of the no-draft server's paths picks the token its server emitted there (decode:
-            # the no-draft output's, batch: the drafted output's): the kernels' rounding, not the draft.
-            "kernel_partings": {name: f"{sum(kernel_parting(d) for d in rows)}/{len(rows)}"
-                                for name, rows in parted.items() if subjects[name].engine == PLAIN},
+            # Partings that are near-tie swaps (near_tie_swap): both servers' top-2 are the same two tokens, each
+            # picking the other first, as llama.cpp's batched verification and one-token decoding round apart.
+            "near_tie_swaps": {name: f"{sum(near_tie_swap(d) for d in rows)}/{len(rows)}"
+                               for name, rows in parted.items() if subjects[name].engine == PLAIN},
             "turn_tau": {name: [None if t["tau"] is None else round(t["tau"], 4) for t in s.turns]
                          for name, s in subjects.items() if s.draft_n}}
 
 
 def table(result: dict) -> str:
-    lines = ["| subject | chain | p_min | tau | tokens/s | speedup | = llama.cpp without draft |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| subject | chain | p_min | tau | tokens/s | step ms | speedup | break-even tau "
+             "| = llama.cpp without draft |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["rows"].items():
         lines.append(f"| {name} | {r['draft_n'] or '-'} | {r.get('p_min', 0) if r['draft_n'] else '-'} | {r['tau']} | "
-                     f"{r['tokens_per_s']} | "
-                     f"{r.get('speedup', '-')} | {r.get('identical_to_llama_cpp', '-')} |")
+                     f"{r['tokens_per_s']} | {r.get('step_ms', '-')} | {r.get('speedup', '-')} | "
+                     f"{r.get('breakeven_tau', '-')} | {r.get('identical_to_llama_cpp', '-')} |")
     return "\n".join(lines)
 
 
