@@ -88,6 +88,9 @@ final)
     run stage=export head=$head export.verify=true "${EXP[@]}"
   done
   python -m pipeline.eval.table outputs/smollm2_quality_v2
+  # The data-scaling curve: the scaling step's heads (1/8, 1/4, 1/2) and these (1), on the first 40 MT-bench questions.
+  python -m pipeline.eval.table outputs/smollm2_quality_v2 --scaling mt_bench-n40-T0-m128 \
+    --plot docs/results/quality_v2_scaling.png
   ;;
 *)
   echo "unknown step $STEP: regen | dump | ablations | scaling | final" >&2; exit 2

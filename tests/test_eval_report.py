@@ -2,6 +2,7 @@
 (tau of two heads on the turns both answered, from the resumable answers files the eval stage writes)."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from pipeline.decoding.decoder import GenerationResult
 from pipeline.eval.evaluate import TurnRecord
 from pipeline.eval.progress import PARTIAL, EvalProgress
 from pipeline.eval.report import summarize
-from pipeline.eval.table import comparison
+from pipeline.eval.table import comparison, scaling
 
 
 def _record(qid: str, turn: int, lengths: list[int]) -> TurnRecord:
@@ -72,3 +73,29 @@ def test_a_torn_last_line_is_dropped_and_a_corrupt_middle_line_refused(tmp_path)
     path.write_text(intact)
     with pytest.raises(ValueError, match="partial eval of another run"):
         EvalProgress(run, identity={"run": "other settings"})
+
+
+def _summary(run_dir, tau: float, tree=(6, 10, 60), done=40) -> None:
+    run_dir.mkdir(parents=True)
+    settings = {"depth": tree[0], "top_k": tree[1], "total_tokens": tree[2], "temperature": 0}
+    (run_dir / "summary.json").write_text(json.dumps({"tau": tau, "settings": settings, "questions": 40,
+                                                      "questions_done": done}))
+
+
+def test_the_scaling_table_pairs_heads_by_data_fraction_and_tree(tmp_path):
+    exp, run = tmp_path / "exp", "mt_bench-n40-T0-m128-bfloat16-tree10x6x60"
+    for kind, taus in {"eagle3": (1.5, 1.7, 1.9, 2.0), "eagle1": (1.4, 1.5, 1.6, 1.6)}.items():
+        for fraction, tau in zip(("-f0.125", "-f0.25", "-f0.5", ""), taus):
+            _summary(exp / "eval" / f"{kind}{fraction}" / run, tau)
+    _summary(exp / "eval/eagle3/mt_bench-n40-T0-m128-bfloat16-tree4x3x16", 2.2, tree=(3, 4, 16))  # CPU's tree
+    _summary(exp / "eval/eagle3-f0.5/mt_bench-n80-T0-m256-bfloat16-tree10x6x60", 9.0)  # another run: not a point
+    _summary(exp / "eval/abl-ttt5/mt_bench-n40-T0-m128-bfloat16-tree10x6x60", 9.0)  # an ablation: not a point
+    plot = tmp_path / "scaling.png"
+    rows = scaling(exp, "mt_bench-n40-T0-m128", plot=plot).splitlines()[2:]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    assert [(c[0], c[1]) for c in cells] == [("0.125", "6, 10, 60"), ("0.25", "6, 10, 60"), ("0.5", "6, 10, 60"),
+                                              ("1", "3, 4, 16"), ("1", "6, 10, 60")]
+    assert cells[0][2:] == ["40/40", "1.50", "1.40", f"**{1.5 / 1.4:.2f}**"]
+    assert cells[3][3:] == ["2.20", "-", "-"]  # no EAGLE-1 run with that tree
+    assert cells[4][3:] == ["2.00", "1.60", "**1.25**"]
+    assert plot.stat().st_size > 1000

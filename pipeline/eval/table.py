@@ -1,13 +1,17 @@
 """Markdown tables for docs/results/quality.md: every eval run of an experiment (complete or partial), then two heads
-compared on the turns both have answered (a partial run is compared on its questions only):
+compared on the turns both have answered (a partial run is compared on its questions only), and the data-scaling
+curve of heads trained on nested fractions of the data (`<kind>-f<fraction>`, the full-data head `<kind>`):
 
     python -m pipeline.eval.table outputs/smollm2_quality [eagle3 eagle1]
+    python -m pipeline.eval.table outputs/smollm2_quality_v2 --scaling mt_bench-n40-T0-m128 --plot scaling.png
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import re
 from pathlib import Path
+from typing import Optional
 
 from pipeline.eval.evaluate import TurnRecord
 from pipeline.eval.progress import PARTIAL, read_answers
@@ -71,8 +75,80 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    exp = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/smollm2_quality")
-    print(table(exp))
+SCALED_HEAD = re.compile(r"^(?P<kind>[a-z0-9_]+?)(?:-f(?P<fraction>[0-9.]+))?$")
+
+
+def scaling_points(experiment_dir: Path, run_prefix: str, kinds=("eagle3", "eagle1")) -> dict:
+    """{(fraction, tree): {kind: summary}} from the eval runs named `run_prefix`* of the heads `<kind>-f<fraction>`
+    and `<kind>` (fraction 1), kind in `kinds`; tree is (depth, top_k, total_tokens)."""
+    points: dict = {}
+    for head, run, s in eval_summaries(experiment_dir):
+        m = SCALED_HEAD.match(head)
+        if not m or m["kind"] not in kinds or not run.startswith(run_prefix):
+            continue
+        st = s["settings"]
+        key = (float(m["fraction"] or 1), (st["depth"], st["top_k"], st["total_tokens"]))
+        points.setdefault(key, {})[m["kind"]] = s
+    return dict(sorted(points.items()))
+
+
+def scaling(experiment_dir: Path, run_prefix: str, a: str = "eagle3", b: str = "eagle1",
+            plot: Optional[Path] = None) -> str:
+    """The scaling table: tau of heads a and b at each data fraction and tree, and a / b; with `plot`, tau against
+    the fraction drawn there (one line per head and tree)."""
+    points = scaling_points(experiment_dir, run_prefix, (a, b))
+    rows = [f"| data fraction | tree (depth, top_k, tokens) | questions | tau {a} | tau {b} | {a} / {b} |",
+            "|---|---|---|---|---|---|"]
+    for (fraction, tree), heads in points.items():
+        sa, sb = heads.get(a), heads.get(b)
+        first = sa or sb
+        tau = lambda x: f"{x['tau']:.2f}" if x else "-"  # noqa: E731
+        ratio = f"**{sa['tau'] / sb['tau']:.2f}**" if sa and sb else "-"
+        rows.append(f"| {fraction:g} | {', '.join(map(str, tree))} | {first.get('questions_done', '?')}/"
+                    f"{first.get('questions', '?')} | {tau(sa)} | {tau(sb)} | {ratio} |")
+    if plot is not None:
+        _plot_scaling(points, (a, b), Path(plot))
+    return "\n".join(rows)
+
+
+def _plot_scaling(points: dict, kinds, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for tree in sorted({tree for _, tree in points}):
+        for kind in kinds:
+            xs = [(f, heads[kind]["tau"]) for (f, t), heads in points.items() if t == tree and kind in heads]
+            if xs:
+                ax.plot(*zip(*xs), marker="o", label=f"{kind}, tree {tree[0]}x{tree[1]}x{tree[2]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("fraction of the training data")
+    ax.set_ylabel("tau (MT-bench)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment_dir", nargs="?", default="outputs/smollm2_quality", type=Path)
+    ap.add_argument("heads", nargs="*", default=["eagle3", "eagle1"], help="the two heads compared")
+    ap.add_argument("--scaling", metavar="RUN_PREFIX", help="the scaling table of the eval runs named RUN_PREFIX*")
+    ap.add_argument("--plot", type=Path, help="with --scaling: draw tau against the data fraction here")
+    args = ap.parse_args(argv)
+    a, b = (args.heads + ["eagle3", "eagle1"])[:2] if args.heads else ("eagle3", "eagle1")
+    if args.scaling:
+        print(scaling(args.experiment_dir, args.scaling, a, b, args.plot))
+        return
+    print(table(args.experiment_dir))
     print()
-    print(comparison(exp, *sys.argv[2:4]))
+    print(comparison(args.experiment_dir, a, b))
+
+
+if __name__ == "__main__":
+    main()
