@@ -18,6 +18,8 @@ EXP=(experiment=smollm2_quality_v2 "$@")
 run() { python -m pipeline.run "$@"; }
 # The short decoded-tau check of the ablations and the scaling curve: MT-bench, no vanilla baseline.
 QUICK_EVAL=(eval.baseline=false eval.max_new_tokens=128)
+# The scaling curve's second tree: the one eval chooses for each head on this machine (pipeline/decoding/autotree.py).
+CHOSEN_TREE=(tree.depth=-1 tree.total_tokens=-1)
 
 case $STEP in
 regen)
@@ -67,6 +69,7 @@ scaling)
     for f in 0.125 0.25 0.5; do
       run stage=train head=$head head.name=$head-f$f train.train_fraction=$f "${EXP[@]}"
       run stage=eval head=$head head.name=$head-f$f eval.limit=40 "${QUICK_EVAL[@]}" "${EXP[@]}"
+      run stage=eval head=$head head.name=$head-f$f eval.limit=40 "${CHOSEN_TREE[@]}" "${QUICK_EVAL[@]}" "${EXP[@]}"
     done
   done
   ;;
@@ -81,6 +84,7 @@ final)
   for head in eagle3 eagle1; do
     run stage=train head=$head "${EXP[@]}"
     run stage=eval head=$head eval.limit=40 "${QUICK_EVAL[@]}" "${EXP[@]}"  # the scaling curve's full-data point
+    run stage=eval head=$head eval.limit=40 "${CHOSEN_TREE[@]}" "${QUICK_EVAL[@]}" "${EXP[@]}"
     for e in "${evals[@]}"; do
       # shellcheck disable=SC2086
       run stage=eval head=$head $e "${EXP[@]}"

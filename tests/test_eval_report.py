@@ -75,11 +75,15 @@ def test_a_torn_last_line_is_dropped_and_a_corrupt_middle_line_refused(tmp_path)
         EvalProgress(run, identity={"run": "other settings"})
 
 
-def _summary(run_dir, tau: float, tree=(6, 10, 60), done=40) -> None:
+def _summary(run_dir, tau: float, chosen=None, done=40) -> None:
+    """A summary.json as eval writes it: tree (6, 10, 60), or with `chosen` (depth, top_k, total) the tree eval
+    chose (tree.depth/total_tokens=-1)."""
     run_dir.mkdir(parents=True)
-    settings = {"depth": tree[0], "top_k": tree[1], "total_tokens": tree[2], "temperature": 0}
-    (run_dir / "summary.json").write_text(json.dumps({"tau": tau, "settings": settings, "questions": 40,
-                                                      "questions_done": done}))
+    settings = {"depth": -1 if chosen else 6, "top_k": 10, "total_tokens": -1 if chosen else 60, "temperature": 0}
+    summary = {"tau": tau, "settings": settings, "questions": 40, "questions_done": done}
+    if chosen:
+        summary["tree_choice"] = dict(zip(("depth", "top_k", "total_tokens"), chosen))
+    (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
 def test_the_scaling_table_pairs_heads_by_data_fraction_and_tree(tmp_path):
@@ -87,15 +91,15 @@ def test_the_scaling_table_pairs_heads_by_data_fraction_and_tree(tmp_path):
     for kind, taus in {"eagle3": (1.5, 1.7, 1.9, 2.0), "eagle1": (1.4, 1.5, 1.6, 1.6)}.items():
         for fraction, tau in zip(("-f0.125", "-f0.25", "-f0.5", ""), taus):
             _summary(exp / "eval" / f"{kind}{fraction}" / run, tau)
-    _summary(exp / "eval/eagle3/mt_bench-n40-T0-m128-bfloat16-tree4x3x16", 2.2, tree=(3, 4, 16))  # CPU's tree
+    _summary(exp / "eval/eagle3/mt_bench-n40-T0-m128-bfloat16-tree10x-1x-1", 2.2, chosen=(3, 10, 16))  # this CPU's
     _summary(exp / "eval/eagle3-f0.5/mt_bench-n80-T0-m256-bfloat16-tree10x6x60", 9.0)  # another run: not a point
     _summary(exp / "eval/abl-ttt5/mt_bench-n40-T0-m128-bfloat16-tree10x6x60", 9.0)  # an ablation: not a point
     plot = tmp_path / "scaling.png"
     rows = scaling(exp, "mt_bench-n40-T0-m128", plot=plot).splitlines()[2:]
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
     assert [(c[0], c[1]) for c in cells] == [("0.125", "6, 10, 60"), ("0.25", "6, 10, 60"), ("0.5", "6, 10, 60"),
-                                              ("1", "3, 4, 16"), ("1", "6, 10, 60")]
+                                              ("1", "6, 10, 60"), ("1", "chosen")]
     assert cells[0][2:] == ["40/40", "1.50", "1.40", f"**{1.5 / 1.4:.2f}**"]
-    assert cells[3][3:] == ["2.20", "-", "-"]  # no EAGLE-1 run with that tree
-    assert cells[4][3:] == ["2.00", "1.60", "**1.25**"]
+    assert cells[3][3:] == ["2.00", "1.60", "**1.25**"]
+    assert cells[4][3:] == ["2.20 (3, 10, 16)", "-", "-"]  # no EAGLE-1 run with a chosen tree
     assert plot.stat().st_size > 1000

@@ -80,14 +80,16 @@ SCALED_HEAD = re.compile(r"^(?P<kind>[a-z0-9_]+?)(?:-f(?P<fraction>[0-9.]+))?$")
 
 def scaling_points(experiment_dir: Path, run_prefix: str, kinds=("eagle3", "eagle1")) -> dict:
     """{(fraction, tree): {kind: summary}} from the eval runs named `run_prefix`* of the heads `<kind>-f<fraction>`
-    and `<kind>` (fraction 1), kind in `kinds`; tree is (depth, top_k, total_tokens)."""
+    and `<kind>` (fraction 1), kind in `kinds`; tree is "depth, top_k, total_tokens", or "chosen" for a run whose
+    tree eval chose for its head on this device (tree.depth/total_tokens=-1: each head's own)."""
     points: dict = {}
     for head, run, s in eval_summaries(experiment_dir):
         m = SCALED_HEAD.match(head)
         if not m or m["kind"] not in kinds or not run.startswith(run_prefix):
             continue
         st = s["settings"]
-        key = (float(m["fraction"] or 1), (st["depth"], st["top_k"], st["total_tokens"]))
+        tree = "chosen" if "tree_choice" in s else f"{st['depth']}, {st['top_k']}, {st['total_tokens']}"
+        key = (float(m["fraction"] or 1), tree)
         points.setdefault(key, {})[m["kind"]] = s
     return dict(sorted(points.items()))
 
@@ -102,9 +104,14 @@ def scaling(experiment_dir: Path, run_prefix: str, a: str = "eagle3", b: str = "
     for (fraction, tree), heads in points.items():
         sa, sb = heads.get(a), heads.get(b)
         first = sa or sb
-        tau = lambda x: f"{x['tau']:.2f}" if x else "-"  # noqa: E731
+        def tau(x: Optional[dict]) -> str:
+            if not x:
+                return "-"
+            c = x.get("tree_choice")  # the chosen tree's shape beside its tau
+            return f"{x['tau']:.2f}" + (f" ({c['depth']}, {c['top_k']}, {c['total_tokens']})" if c else "")
+
         ratio = f"**{sa['tau'] / sb['tau']:.2f}**" if sa and sb else "-"
-        rows.append(f"| {fraction:g} | {', '.join(map(str, tree))} | {first.get('questions_done', '?')}/"
+        rows.append(f"| {fraction:g} | {tree} | {first.get('questions_done', '?')}/"
                     f"{first.get('questions', '?')} | {tau(sa)} | {tau(sb)} | {ratio} |")
     if plot is not None:
         _plot_scaling(points, (a, b), Path(plot))
@@ -122,7 +129,7 @@ def _plot_scaling(points: dict, kinds, path: Path) -> None:
         for kind in kinds:
             xs = [(f, heads[kind]["tau"]) for (f, t), heads in points.items() if t == tree and kind in heads]
             if xs:
-                ax.plot(*zip(*xs), marker="o", label=f"{kind}, tree {tree[0]}x{tree[1]}x{tree[2]}")
+                ax.plot(*zip(*xs), marker="o", label=f"{kind}, tree {tree}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("fraction of the training data")
     ax.set_ylabel("tau (MT-bench)")
