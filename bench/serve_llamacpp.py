@@ -127,7 +127,9 @@ def top2_at(port: int, prompt_ids: Sequence[int], tokens: Sequence[int], positio
     probs = resp.get("completion_probabilities") or []
     if list(resp["tokens"][:position + 1]) != list(tokens[:position + 1]) or len(probs) <= position:
         return None
-    top = probs[position]["top_logprobs"]
+    top = probs[position].get("top_logprobs") or []
+    if len(top) < 2:  # a drafting server reports no top-k for the tokens its speculative path emits
+        return None
     return {"top2": [t["id"] for t in top[:2]], "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5)}
 
 
@@ -173,9 +175,11 @@ def divergences(subject: "Subject", plain: "Subject", prompts: Sequence[Sequence
 
 
 def near_tie_swap(row: dict) -> bool:
-    """Whether a divergence (divergences) is two near-equal tokens trading places: the no-draft server's runner-up
-    there is the drafting server's token, and the drafting server's runner-up (where it reports one) the no-draft
-    server's. A parting that is not such a swap is a drafted token the target would not have chosen."""
+    """Whether a divergence (divergences) is two near-equal tokens trading places: the no-draft server's top-2
+    there are its token then the drafting server's, and the drafting server's top-2 the reverse where it reports
+    them (llama.cpp reports no top-k for tokens its speculative path emits, so mostly the no-draft side alone
+    decides). A parting that is not such a swap is a drafted token the target would not have chosen, or one
+    output ending (EOS) where the other goes on."""
     nd, dr = row.get("no_draft"), row.get("drafted")
     if nd is None or nd["top2"] != [row["no_draft_token"], row["token"]]:
         return False

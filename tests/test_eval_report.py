@@ -103,3 +103,7 @@ def test_the_scaling_table_pairs_heads_by_data_fraction_and_tree(tmp_path):
     assert cells[3][3:] == ["2.00", "1.60", "**1.25**"]
     assert cells[4][3:] == ["2.20 (3, 10, 16)", "-", "-"]  # no EAGLE-1 run with a chosen tree
     assert plot.stat().st_size > 1000
+    _summary(exp / "eval/eagle1/mt_bench-n40-T0-m128-float32-tree10x6x60", 1.7)  # the same point in fp32
+    with pytest.raises(ValueError, match="eval/eagle1: two runs named mt_bench-n40-T0-m128"):
+        scaling(exp, "mt_bench-n40-T0-m128")
+    assert len(scaling(exp, "mt_bench-n40-T0-m128-bfloat16").splitlines()) == 7  # a longer prefix tells them apart

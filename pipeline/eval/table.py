@@ -75,7 +75,7 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
     return "\n".join(rows)
 
 
-SCALED_HEAD = re.compile(r"^(?P<kind>[a-z0-9_]+?)(?:-f(?P<fraction>[0-9.]+))?$")
+SCALED_HEAD = re.compile(r"^(?P<kind>[a-z0-9_]+?)(?:-f(?P<fraction>[0-9]*\.?[0-9]+))?$")
 
 
 def scaling_points(experiment_dir: Path, run_prefix: str, kinds=("eagle3", "eagle1")) -> dict:
@@ -85,11 +85,14 @@ def scaling_points(experiment_dir: Path, run_prefix: str, kinds=("eagle3", "eagl
     points: dict = {}
     for head, run, s in eval_summaries(experiment_dir):
         m = SCALED_HEAD.match(head)
-        if not m or m["kind"] not in kinds or not run.startswith(run_prefix):
+        if not m or m["kind"] not in kinds or not (run == run_prefix or run.startswith(run_prefix + "-")):
             continue
         st = s["settings"]
         tree = "chosen" if "tree_choice" in s else f"{st['depth']}, {st['top_k']}, {st['total_tokens']}"
         key = (float(m["fraction"] or 1), tree)
+        if m["kind"] in points.get(key, {}):
+            raise ValueError(f"{experiment_dir}/eval/{head}: two runs named {run_prefix}* with tree {tree} "
+                             f"(another dtype?): give a longer run name prefix")
         points.setdefault(key, {})[m["kind"]] = s
     return dict(sorted(points.items()))
 
@@ -148,7 +151,7 @@ def main(argv=None) -> None:
     ap.add_argument("--scaling", metavar="RUN_PREFIX", help="the scaling table of the eval runs named RUN_PREFIX*")
     ap.add_argument("--plot", type=Path, help="with --scaling: draw tau against the data fraction here")
     args = ap.parse_args(argv)
-    a, b = (args.heads + ["eagle3", "eagle1"])[:2] if args.heads else ("eagle3", "eagle1")
+    a, b = (args.heads + ["eagle3", "eagle1"][len(args.heads):])[:2]  # one head named: against eagle1
     if args.scaling:
         print(scaling(args.experiment_dir, args.scaling, a, b, args.plot))
         return
