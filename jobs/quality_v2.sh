@@ -3,9 +3,10 @@
 # same line to continue. Costs are for this repository's 2-core AMX CPU at the rates measured in
 # docs/results/speed.md; on a GPU they shrink to minutes.
 #
-#   jobs/quality_v2.sh regen        # ~2.9M answer tokens projected (3,750 conversations), 0.62M of them in
-#                                   # answers/ already; llama.cpp at ~130 tok/s on 2 cores does the rest in about
-#                                   # 3 steps of <= 100 minutes; commit answers/ after each
+#   jobs/quality_v2.sh regen        # ~1.65M answer tokens projected (2,700 conversations); what answers/ holds:
+#                                   # `python -m pipeline.answers check answers/smollm2_quality_v2
+#                                   # experiment=smollm2_quality_v2`. The long multi-turn conversations left run at
+#                                   # ~90 tok/s on 2 cores (~330k tokens an hour); commit answers/ after each step
 #   jobs/quality_v2.sh dump         # bf16 shards, about 5 KB per token: check the free disk first
 #   jobs/quality_v2.sh ablations    # the recipe at 1/4 of the data, 2 epochs each
 #   jobs/quality_v2.sh scaling      # EAGLE-1 and EAGLE-3 on 1/8, 1/4, 1/2 (1 = the final heads)
