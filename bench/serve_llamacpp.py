@@ -117,20 +117,25 @@ class Subject:
         return out
 
 
-def top2_at(port: int, prompt_ids: Sequence[int], tokens: Sequence[int], position: int) -> Optional[dict]:
-    """A server's own two most likely tokens at `position` of its greedy output `tokens` for `prompt_ids`, and
-    their logit gap (the log-prob difference): the same request again with `n_probs`, so the logits come from the
-    very path the server decoded (its KV cache built as it was, a token or a verified chain at a time; a prefix
-    prefilled in one batch would round differently). None when the server does not report them there."""
+TOP_K_PROBE = 5  # candidates a parting's probe asks each server for
+
+
+def top_at(port: int, prompt_ids: Sequence[int], tokens: Sequence[int], position: int) -> Optional[dict]:
+    """A server's own most likely tokens at `position` of its greedy output `tokens` for `prompt_ids` (up to
+    TOP_K_PROBE, with log-probs), and the logit gap between its first two: the same request again with `n_probs`,
+    so the logits come from the very path the server decoded (its KV cache built as it was, a token or a verified
+    chain at a time; a prefix prefilled in one batch would round differently). None when the server does not report
+    them there (llama.cpp reports none for the tokens its speculative path emits)."""
     resp = _post(port, {"prompt": [int(t) for t in prompt_ids], "n_predict": position + 1, "temperature": 0.0,
-                        "cache_prompt": False, "n_probs": 2, "return_tokens": True})
+                        "cache_prompt": False, "n_probs": TOP_K_PROBE, "return_tokens": True})
     probs = resp.get("completion_probabilities") or []
     if list(resp["tokens"][:position + 1]) != list(tokens[:position + 1]) or len(probs) <= position:
         return None
     top = probs[position].get("top_logprobs") or []
-    if len(top) < 2:  # a drafting server reports no top-k for the tokens its speculative path emits
+    if len(top) < 2:
         return None
-    return {"top2": [t["id"] for t in top[:2]], "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5)}
+    return {"top": [t["id"] for t in top], "logprobs": [round(t["logprob"], 5) for t in top],
+            "logit_gap": round(top[0]["logprob"] - top[1]["logprob"], 5)}
 
 
 def forward_cost(port: int, prefix_ids: Sequence[int], counts: Sequence[int] = (1, 2, 3, 4, 5),
@@ -156,8 +161,9 @@ def forward_cost(port: int, prefix_ids: Sequence[int], counts: Sequence[int] = (
 def divergences(subject: "Subject", plain: "Subject", prompts: Sequence[Sequence[int]], plain_port: int,
                 port: Optional[int] = None) -> list[dict]:
     """Where `subject`'s output parts from the no-draft server's, turn by turn: the first differing position,
-    both tokens, and there the no-draft server's own top-2 (`no_draft`) and, for a server (`port`), the drafting
-    server's own (`drafted`), each on the path it decoded (top2_at)."""
+    both tokens, and there the no-draft server's own top candidates (`no_draft`) and, for a server (`port`), the
+    drafting server's own (`drafted`), each on the path it decoded (top_at); `tie_gap`: how far below the no-draft
+    server's choice its log-prob of the other output's token is (None: not among its top candidates)."""
     out = []
     for i, (mine, ref) in enumerate(zip(subject.turns, plain.turns)):
         a, b = mine["tokens"], ref["tokens"]
@@ -167,23 +173,23 @@ def divergences(subject: "Subject", plain: "Subject", prompts: Sequence[Sequence
         row = {"turn": i, "position": j, "token": a[j] if j < len(a) else None,
                "no_draft_token": b[j] if j < len(b) else None}
         if j < len(a) and j < len(b):
-            row["no_draft"] = top2_at(plain_port, prompts[i], b, j)
+            row["no_draft"] = nd = top_at(plain_port, prompts[i], b, j)
+            if nd is not None and a[j] in nd["top"]:
+                row["tie_gap"] = round(nd["logprobs"][0] - nd["logprobs"][nd["top"].index(a[j])], 5)
             if port is not None:
-                row["drafted"] = top2_at(port, prompts[i], a, j)
+                row["drafted"] = top_at(port, prompts[i], a, j)
         out.append(row)
     return out
 
 
 def near_tie_swap(row: dict) -> bool:
-    """Whether a divergence (divergences) is two near-equal tokens trading places: the no-draft server's top-2
-    there are its token then the drafting server's, and the drafting server's top-2 the reverse where it reports
-    them (llama.cpp reports no top-k for tokens its speculative path emits, so mostly the no-draft side alone
-    decides). A parting that is not such a swap is a drafted token the target would not have chosen, or one
-    output ending (EOS) where the other goes on."""
+    """Whether a divergence (divergences) is two near-equal tokens trading places: the no-draft server's first two
+    candidates there are its token then the other output's, and the drafting server's the reverse where it reports
+    them (mostly it does not: see top_at)."""
     nd, dr = row.get("no_draft"), row.get("drafted")
-    if nd is None or nd["top2"] != [row["no_draft_token"], row["token"]]:
+    if nd is None or nd["top"][:2] != [row["no_draft_token"], row["token"]]:
         return False
-    return dr is None or dr["top2"] == [row["token"], row["no_draft_token"]]
+    return dr is None or dr["top"][:2] == [row["token"], row["no_draft_token"]]
 
 
 def server_turn(resp: dict) -> dict:
@@ -318,6 +324,10 @@ def run(export_dir: Path, questions_path: str, limit: int, max_new_tokens: int, 
             # The no-draft server's largest top-2 gap at a parting: how near a tie every parting was.
             "max_divergence_logit_gap": {name: max((d["no_draft"]["logit_gap"] for d in rows if d.get("no_draft")),
                                                    default=None) for name, rows in parted.items()},
+            # The largest tie_gap of a subject's partings (None if some parting's token is not among the no-draft
+            # server's top candidates): partings at near-ties only, when small.
+            "max_tie_gap": {name: (max((d["tie_gap"] for d in rows), default=0.0)
+                                   if all("tie_gap" in d for d in rows) else None) for name, rows in parted.items()},
             # Partings that are near-tie swaps (near_tie_swap): both servers' top-2 are the same two tokens, each
             # picking the other first, as llama.cpp's batched verification and one-token decoding round apart.
             "near_tie_swaps": {name: f"{sum(near_tie_swap(d) for d in rows)}/{len(rows)}"

@@ -36,12 +36,14 @@ def test_llama_server_with_the_export_against_itself_without_and_eaglet(smollm2,
     drafted = rows["llama.cpp+draft2"]
     assert drafted["drafted"] > 0  # the server loaded the draft and drafted with it
     # Lossless greedy, up to llama.cpp's own arithmetic: a drafting server verifies several tokens per forward,
-    # whose kernels round apart from one token's; an output may part only where the two servers' top-2 are the
-    # same two tokens in swapped order (near_tie_swap), never at a drafted token the target would not choose.
+    # whose kernels round apart from one token's (its activations quantized to 8 bits). An output may part only
+    # at a near-tie: where the no-draft server itself ranks the drafted output's token within a logit of its own
+    # choice (llama.cpp's rounding moves these logits by up to ~0.5 here), never at a token the target would not
+    # come near choosing.
     same, total = map(int, drafted["identical_to_llama_cpp"].split("/"))
     assert total == turns
-    assert result["near_tie_swaps"]["llama.cpp+draft2"] == f"{turns - same}/{turns - same}", \
-        json.dumps(result["divergences"]["llama.cpp+draft2"])
+    for d in result["divergences"]["llama.cpp+draft2"]:
+        assert d.get("tie_gap") is not None and d["tie_gap"] < 1.0, json.dumps(d)
     assert drafted["tau"] >= 1 and rows["eaglet+chain2"]["tau"] >= 1
     assert rows["eaglet+chain2"]["drafted"] > 0
     # A drafted step's cost over a plain one is the tau that breaks even; the target's forward over the chain's
@@ -58,10 +60,10 @@ def test_llama_server_with_the_export_against_itself_without_and_eaglet(smollm2,
     means = [float(m) for m in re.findall(r"mean len =\s*([0-9.]+)", log)]
     assert means, "llama-server logged no draft acceptance"
     assert abs(means[-1] - result["turn_tau"]["llama.cpp+draft2"][-1]) < 0.01
-    # Where an output parts from the no-draft server's, the bench asks that server for its top-2 there on its own
-    # decoding path: its greedy token is its top-1.
+    # Where an output parts from the no-draft server's, the bench asks that server for its top candidates there on
+    # its own decoding path: its greedy token is its first.
     for rows in result["divergences"].values():
         for d in rows:
             if d.get("no_draft"):
-                assert d["no_draft_token"] == d["no_draft"]["top2"][0] and d["no_draft"]["logit_gap"] >= 0, \
+                assert d["no_draft_token"] == d["no_draft"]["top"][0] and d["no_draft"]["logit_gap"] >= 0, \
                     json.dumps(d)
