@@ -359,8 +359,9 @@ def test_tokens_a_format_1_store_did_not_keep_are_estimated_with_exact_sums():
 @pytest.mark.slow
 def test_the_committed_quality_v2_store_restores_whole_under_the_committed_data_config(shared_data):
     """Dry (nothing generated): every conversation in answers/smollm2_quality_v2 is in the plan of
-    conf/data/smollm2_quality_v2.yaml with the same prompt, under the experiment's generation settings. A data
-    config edit that changes a stored conversation's text shows here first."""
+    conf/data/smollm2_quality_v2.yaml with the same prompt, under the experiment's generation settings, but for
+    those the store keeps from a larger plan (its `kept`: the ShareGPT V3 limit was lowered). A data config edit
+    that changes a stored conversation's text shows here first."""
     import importlib.util
 
     from tests.conftest import REPO
@@ -371,6 +372,7 @@ def test_the_committed_quality_v2_store_restores_whole_under_the_committed_data_
     from pipeline.answers import compose
     cfg = compose(["experiment=smollm2_quality_v2", f"data.root={shared_data}"])
     result = answer_store.check(store, cfg)
-    stored = json.loads((store / "store.json").read_text())["conversations"]
-    assert result["restore"] == result["stored"] == stored and result["undigested"] == 0
-    assert result["changed"] == [] and result["not_in_plan"] == 0 and result["settings_differ"] == {}
+    meta = json.loads((store / "store.json").read_text())
+    assert result["stored"] == meta["conversations"] and result["undigested"] == 0
+    assert result["restore"] == meta["conversations"] - meta["kept"] and result["not_in_plan"] == meta["kept"]
+    assert result["changed"] == [] and result["settings_differ"] == {}
