@@ -143,14 +143,13 @@ def forward_cost(port: int, prefix_ids: Sequence[int], counts: Sequence[int] = (
     """The no-draft server's target forward over k new tokens after a cached `prefix_ids`, for k in `counts`:
     median milliseconds (the server's prompt timing) and the ratio to one token. A drafting server verifies
     chain + 1 tokens in one such forward, so where k tokens cost about k times one, drafting cannot pay."""
-    out = {}
+    ids, out = [int(t) for t in prefix_ids], {}
     for k in counts:
         times = []
         for r in range(repeats):
-            extra = [int(t) for t in prefix_ids[-k - r - 1:-r - 1]]  # k prompt tokens as the continuation
-            _post(port, {"prompt": [int(t) for t in prefix_ids], "n_predict": 0, "cache_prompt": True})
-            resp = _post(port, {"prompt": [int(t) for t in prefix_ids] + extra, "n_predict": 1, "temperature": 0.0,
-                                "cache_prompt": True})
+            extra = ids[-k - r - 1:-r - 1]  # k prompt tokens as the continuation
+            _post(port, {"prompt": ids, "n_predict": 0, "cache_prompt": True})
+            resp = _post(port, {"prompt": ids + extra, "n_predict": 1, "temperature": 0.0, "cache_prompt": True})
             if int(resp["timings"]["prompt_n"]) == k:
                 times.append(float(resp["timings"]["prompt_ms"]))
         out[k] = round(sorted(times)[len(times) // 2], 3) if times else None

@@ -107,18 +107,20 @@ def scaling(experiment_dir: Path, run_prefix: str, a: str = "eagle3", b: str = "
     for (fraction, tree), heads in points.items():
         sa, sb = heads.get(a), heads.get(b)
         first = sa or sb
-        def tau(x: Optional[dict]) -> str:
-            if not x:
-                return "-"
-            c = x.get("tree_choice")  # the chosen tree's shape beside its tau
-            return f"{x['tau']:.2f}" + (f" ({c['depth']}, {c['top_k']}, {c['total_tokens']})" if c else "")
-
         ratio = f"**{sa['tau'] / sb['tau']:.2f}**" if sa and sb else "-"
         rows.append(f"| {fraction:g} | {tree} | {first.get('questions_done', '?')}/"
-                    f"{first.get('questions', '?')} | {tau(sa)} | {tau(sb)} | {ratio} |")
+                    f"{first.get('questions', '?')} | {_tau_cell(sa)} | {_tau_cell(sb)} | {ratio} |")
     if plot is not None:
         _plot_scaling(points, (a, b), Path(plot))
     return "\n".join(rows)
+
+
+def _tau_cell(summary: Optional[dict]) -> str:
+    """A scaling table cell: the run's tau, and the chosen tree's shape beside it."""
+    if not summary:
+        return "-"
+    c = summary.get("tree_choice")
+    return f"{summary['tau']:.2f}" + (f" ({c['depth']}, {c['top_k']}, {c['total_tokens']})" if c else "")
 
 
 def _plot_scaling(points: dict, kinds, path: Path) -> None:
