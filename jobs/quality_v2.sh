@@ -1,26 +1,66 @@
 #!/usr/bin/env bash
-# Quality v2 (docs/results/quality.md): every step in order, each resumable -- kill it and rerun the
-# same line to continue. Costs are for this repository's 2-core AMX CPU at the rates measured in
-# docs/results/speed.md; on a GPU they shrink to minutes.
+# Quality v2 (docs/results/quality.md): every step in order, each resumable -- stop it and rerun the same line to
+# continue. Costs are for this repository's 2-core AMX Xeon at the rates in docs/results/speed.md; on a GPU they
+# shrink to minutes. No step runs longer than STEP_MINUTES (default 100): then it stops what it runs (train
+# checkpoints first) and says so; rerun it, in this session or on a fresh machine.
 #
-#   jobs/quality_v2.sh regen        # ~1.65M answer tokens projected (2,700 conversations); what answers/ holds:
-#                                   # `python -m pipeline.answers check answers/smollm2_quality_v2
-#                                   # experiment=smollm2_quality_v2`. The long multi-turn conversations left run at
-#                                   # ~90 tok/s on 2 cores (~330k tokens an hour); commit answers/ after each step
-#   jobs/quality_v2.sh dump         # bf16 shards, about 5 KB per token: check the free disk first
-#   jobs/quality_v2.sh ablations    # the recipe at 1/4 of the data, 2 epochs each
-#   jobs/quality_v2.sh scaling      # EAGLE-1 and EAGLE-3 on 1/8, 1/4, 1/2 (1 = the final heads)
+#   jobs/quality_v2.sh regen        # 2,700 conversations, ~1.65M answer tokens; llama.cpp at ~95 tok/s on 2 cores,
+#                                   # about 5 steps; commit answers/smollm2_quality_v2 after each
+#   jobs/quality_v2.sh dump         # bf16 shards, ~4.6 KB per token (prompts included): checks 12 GB free; ~1 h
+#   jobs/quality_v2.sh ablations    # 8 recipe rows at 1/8 of the data, 2 epochs each, 20 questions: ~15 min a row
+#   jobs/quality_v2.sh scaling      # EAGLE-3 and EAGLE-1 on 1/8, 1/4, 1/2 of the data (1 = the final heads)
 #   jobs/quality_v2.sh final        # final heads, their evals and exports
+#
+# What outlives the machine is committed: the regenerated answers (answers/smollm2_quality_v2) and every complete
+# eval and train run's results (results/smollm2_quality_v2, `python -m pipeline.results`). A step skips the rows
+# whose evals are there, so on a fresh machine only the dump is redone; the tables are built from the store:
+# `python -m pipeline.eval.table results/smollm2_quality_v2`. A train run stopped mid-way resumes only where the
+# machine kept outputs/.
 # Extra Hydra overrides go to every stage: jobs/quality_v2.sh regen data.root=/data/eaglet
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=${1:?"step: regen | dump | ablations | scaling | final"}; shift
 EXP=(experiment=smollm2_quality_v2 "$@")
-run() { python -m pipeline.run "$@"; }
+RESULTS=results/smollm2_quality_v2
+BUDGET_S=$(( ${STEP_MINUTES:-100} * 60 ))
+# One stage in what is left of the step's time. SIGTERM is a stop request (train writes a checkpoint, eval has its
+# finished questions on disk), so every stage resumes from where the step stopped.
+run() {
+  local left=$(( BUDGET_S - SECONDS )) status=0
+  if (( left < 120 )); then
+    echo "quality_v2 $STEP: step time spent (STEP_MINUTES=${STEP_MINUTES:-100}); commit $RESULTS and rerun" >&2
+    exit 124
+  fi
+  timeout --signal=TERM --kill-after=600 "$left" python -m pipeline.run "$@" || status=$?
+  if (( status == 124 )); then
+    echo "quality_v2 $STEP: step time spent in: $*; commit $RESULTS and rerun to continue" >&2
+  fi
+  if (( status != 0 )); then keep; exit $status; fi
+}
+keep() { python -m pipeline.results save outputs/smollm2_quality_v2 "$RESULTS"; }
+kept() { python -m pipeline.results has "$RESULTS" stage=eval "$@" "${EXP[@]}"; }
+# row "<head overrides>" "<train overrides>" "<eval overrides>"...: train the head unless the store holds every one
+# of its evals, then run the evals it lacks. Overrides are space-separated words (no spaces inside one).
+row() {
+  local head=$1 train=$2 todo=() e
+  shift 2
+  for e in "$@"; do
+    # shellcheck disable=SC2086  # word lists
+    kept $head $e || todo+=("$e")
+  done
+  if (( ${#todo[@]} == 0 )); then return; fi
+  # shellcheck disable=SC2086
+  run stage=train $head $train "${EXP[@]}"
+  for e in "${todo[@]}"; do
+    # shellcheck disable=SC2086
+    run stage=eval $head $e "${EXP[@]}"
+    keep
+  done
+}
 # The short decoded-tau check of the ablations and the scaling curve: MT-bench, no vanilla baseline.
-QUICK_EVAL=(eval.baseline=false eval.max_new_tokens=128)
+QUICK_EVAL="eval.baseline=false eval.max_new_tokens=128"
 # The scaling curve's second tree: the one eval chooses for each head on this machine (pipeline/decoding/autotree.py).
-CHOSEN_TREE=(tree.depth=-1 tree.total_tokens=-1)
+CHOSEN_TREE="tree.depth=-1 tree.total_tokens=-1"
 
 case $STEP in
 regen)
@@ -49,53 +89,55 @@ dump)
   run stage=dump "${EXP[@]}"
   ;;
 ablations)
-  # One fixed budget: a quarter of the training rows, 2 epochs; each row changes one choice from the base.
-  base=(train.train_fraction=0.25 train.epochs=2)
-  while read -r name overrides; do
-    # shellcheck disable=SC2086  # overrides is a list
-    run stage=train head=eagle3 head.name=abl-$name "${base[@]}" $overrides "${EXP[@]}"
-    run stage=eval head=eagle3 head.name=abl-$name eval.limit=20 "${QUICK_EVAL[@]}" "${EXP[@]}"
-  done <<'ROWS'
-base
-const train.schedule=constant
-floor train.min_lr_ratio=0.1
-ttt5 head.ttt_steps=5
-lmrows head.lm_head_init=target_rows
-vocab8k head.draft_vocab_size=8000
-vocab32k head.draft_vocab_size=32000
-ROWS
+  # One fixed budget: an eighth of the training rows, 2 epochs; each row changes one choice from the base
+  # (EAGLE-3, 7 TTT rounds, 16k draft vocabulary, lm_head from random, cosine to 0, the regenerated answers).
+  # `orig` trains on the data sets' own answers instead (online: the same conversations, not the target's words).
+  rows=(
+    "base"
+    "const train.schedule=constant"
+    "floor train.min_lr_ratio=0.1"
+    "ttt5 head.ttt_steps=5"
+    "lmrows head.lm_head_init=target_rows"
+    "vocab8k head.draft_vocab_size=8000"
+    "vocab32k head.draft_vocab_size=32000"
+    "orig train.source=online dump.input=data"
+  )
+  for r in "${rows[@]}"; do
+    read -r name overrides <<<"$r"
+    row "head=eagle3 head.name=abl-$name" "train.train_fraction=0.125 train.epochs=2 $overrides" \
+      "eval.limit=20 $QUICK_EVAL"
+  done
   ;;
 scaling)
   for head in eagle3 eagle1; do
     for f in 0.125 0.25 0.5; do
-      run stage=train head=$head head.name=$head-f$f train.train_fraction=$f "${EXP[@]}"
-      run stage=eval head=$head head.name=$head-f$f eval.limit=40 "${QUICK_EVAL[@]}" "${EXP[@]}"
-      run stage=eval head=$head head.name=$head-f$f eval.limit=40 "${CHOSEN_TREE[@]}" "${QUICK_EVAL[@]}" "${EXP[@]}"
+      row "head=$head head.name=$head-f$f" "train.train_fraction=$f" \
+        "eval.limit=40 $QUICK_EVAL" "eval.limit=40 $CHOSEN_TREE $QUICK_EVAL"
     done
   done
   ;;
 final)
   evals=(
-    "eval.baseline=true eval.baseline_limit=10"                                          # MT-bench, 80 x 2, T=0
+    "eval.limit=40 $QUICK_EVAL"                          # the scaling curve's full-data point
+    # ... with the tree eval chooses for this CPU, and the speedup it gives (vanilla on 10 of the questions)
+    "eval.limit=40 $CHOSEN_TREE eval.max_new_tokens=128 eval.baseline=true eval.baseline_limit=10"
+    "eval.baseline=true eval.baseline_limit=10"          # MT-bench, 80 x 2, T=0, 256 tokens, against vanilla
     "eval.limit=20 eval.temperature=1 eval.baseline=false"
   )
   for set in alpaca gsm8k humaneval qa sum; do
     evals+=("eval.questions=\${data.root}/eagle_bench/$set/question.jsonl eval.limit=20")
   done
   for head in eagle3 eagle1; do
-    run stage=train head=$head "${EXP[@]}"
-    run stage=eval head=$head eval.limit=40 "${QUICK_EVAL[@]}" "${EXP[@]}"  # the scaling curve's full-data point
-    run stage=eval head=$head eval.limit=40 "${CHOSEN_TREE[@]}" "${QUICK_EVAL[@]}" "${EXP[@]}"
-    for e in "${evals[@]}"; do
-      # shellcheck disable=SC2086
-      run stage=eval head=$head $e "${EXP[@]}"
-    done
-    run stage=export head=$head export.verify=true "${EXP[@]}"
+    row "head=$head" "" "${evals[@]}"
+    # The export (commit EAGLE-3's under heads/ with its model card); a fresh machine whose evals were all kept
+    # has no head to export.
+    if [[ -d outputs/smollm2_quality_v2/train/$head/final ]]; then
+      run stage=export head=$head export.verify=true "${EXP[@]}"
+    fi
   done
-  python -m pipeline.eval.table outputs/smollm2_quality_v2
+  python -m pipeline.eval.table "$RESULTS"
   # The data-scaling curve: the scaling step's heads (1/8, 1/4, 1/2) and these (1), on the first 40 MT-bench questions.
-  python -m pipeline.eval.table outputs/smollm2_quality_v2 --scaling mt_bench-n40-T0-m128 \
-    --plot docs/results/quality_v2_scaling.png
+  python -m pipeline.eval.table "$RESULTS" --scaling mt_bench-n40-T0-m128 --plot docs/results/quality_v2_scaling.png
   ;;
 *)
   echo "unknown step $STEP: regen | dump | ablations | scaling | final" >&2; exit 2

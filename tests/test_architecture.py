@@ -16,7 +16,7 @@ FLOORS = {
                "target_files", "redact"},
     "library": {"target", "data", "heads", "decoding"},
     "stage": {"regen", "hidden_states", "train", "eval", "export"},
-    "entry": {"config", "run", "doctor", "answers"},
+    "entry": {"config", "run", "doctor", "answers", "results"},
 }
 FLOOR_OF = {unit: i for i, units in enumerate(FLOORS.values()) for unit in units}
 

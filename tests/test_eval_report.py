@@ -11,6 +11,7 @@ from pipeline.decoding.decoder import GenerationResult
 from pipeline.eval.evaluate import TurnRecord
 from pipeline.eval.progress import PARTIAL, EvalProgress
 from pipeline.eval.report import summarize
+from pipeline.eval.results_store import kept_runs, save
 from pipeline.eval.table import comparison, scaling
 
 
@@ -78,7 +79,7 @@ def test_a_torn_last_line_is_dropped_and_a_corrupt_middle_line_refused(tmp_path)
 def _summary(run_dir, tau: float, chosen=None, done=40) -> None:
     """A summary.json as eval writes it: tree (6, 10, 60), or with `chosen` (depth, top_k, total) the tree eval
     chose (tree.depth/total_tokens=-1)."""
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     settings = {"depth": -1 if chosen else 6, "top_k": 10, "total_tokens": -1 if chosen else 60, "temperature": 0}
     summary = {"tau": tau, "settings": settings, "questions": 40, "questions_done": done}
     if chosen:
@@ -107,3 +108,48 @@ def test_the_scaling_table_pairs_heads_by_data_fraction_and_tree(tmp_path):
     with pytest.raises(ValueError, match="eval/eagle1: two runs named mt_bench-n40-T0-m128"):
         scaling(exp, "mt_bench-n40-T0-m128")
     assert len(scaling(exp, "mt_bench-n40-T0-m128-bfloat16").splitlines()) == 7  # a longer prefix tells them apart
+
+
+def test_a_results_store_keeps_complete_runs_and_the_tables_read_it_alone(tmp_path):
+    exp, store = tmp_path / "exp", tmp_path / "results"
+    run = "mt_bench-n40-T0-m128-bfloat16-tree10x6x60"
+    answered = {"eagle3": {"1": [[3, 1], [0]], "2": [[2, 2]]}, "eagle1": {"1": [[1, 1], [1]], "2": [[0, 0]]}}
+    for head, turns in answered.items():
+        _write(exp / "eval" / head / run, turns)
+        _summary(exp / "eval" / head / run, 2.0)
+    _summary(exp / "eval/eagle3-f0.5" / run, 1.8, done=12)  # partial (12 of 40): eval names it so; not kept
+    (exp / "eval/eagle3-f0.5" / run / "summary.json").rename(exp / "eval/eagle3-f0.5" / run / "summary.partial.json")
+    (exp / "train/eagle3/final").mkdir(parents=True)
+    (exp / "train/eagle3/manifest.json").write_text('{"counts": {"steps": 10}}')
+    (exp / "train/eagle1").mkdir(parents=True)
+    (exp / "train/eagle1/manifest.json").write_text('{"counts": {}}')  # no final/: still training, not kept
+    written = save(exp, store)
+    assert written == {"eval": [f"eval/eagle1/{run}", f"eval/eagle3/{run}"], "train": ["train/eagle3"]}
+    assert save(exp, store) == {"eval": [], "train": []}  # saving again changes no byte
+    assert (store / "eval/eagle3" / run / f"{PARTIAL}.gz").is_file() and not (store / "train/eagle1").exists()
+    assert comparison(store) == comparison(exp)  # the gzipped answers, read back
+    assert kept_runs(store, "eagle3", "mt_bench-n40-T0-m128") == [run]
+    assert kept_runs(store, "eagle3", "mt_bench-n40-T0-m128", tree="10x-1x-1") == []
+    assert kept_runs(store, "eagle3", "mt_bench-n40-T0-m12") == []  # a prefix ends at a '-'
+    assert kept_runs(store, "eagle3-f0.5", "mt_bench-n40-T0-m128") == []  # its run is partial
+
+
+def test_results_has_asks_for_the_run_the_same_overrides_name(tmp_path, capsys):
+    """`pipeline.results has` composes the eval's config, so the job script's skip names the exact run folder."""
+    from pipeline.answers import compose
+    from pipeline.results import main
+
+    overrides = ["stage=eval", "head=eagle3", "head.name=abl-base", "experiment=smollm2_quality_v2", "eval.limit=20",
+                 "eval.max_new_tokens=128"]
+    cfg = compose(overrides[1:])
+    assert cfg.eval_subject == "abl-base" and cfg.eval_run_name.startswith("mt_bench-n20-T0-m128-")
+    with pytest.raises(SystemExit) as e:
+        main(["has", str(tmp_path), *overrides])
+    assert e.value.code == 1 and "not kept" in capsys.readouterr().out
+    _summary(tmp_path / "eval/abl-base" / cfg.eval_run_name, 1.7)
+    with pytest.raises(SystemExit) as e:
+        main(["has", str(tmp_path), *overrides])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:  # another tree is another run
+        main(["has", str(tmp_path), *overrides, "tree.depth=-1", "tree.total_tokens=-1"])
+    assert e.value.code == 1

@@ -4,6 +4,7 @@ A file written by another run (settings, head, question file) is refused unless 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import os
@@ -59,8 +60,11 @@ class EvalProgress:
 
 def read_answers(path: Path) -> tuple[dict, dict[str, list[TurnRecord]], Optional[list[str]]]:
     """(identity, question id -> turn records, the intact lines if the last one is torn else None) of an
-    answers file. A kill mid-write leaves at most the last line torn; corruption elsewhere is an error."""
-    lines = text_lines(Path(path).read_text(encoding="utf-8"))
+    answers file (or its gzipped copy in a results store, pipeline/eval/results_store.py). A kill mid-write leaves
+    at most the last line torn; corruption elsewhere is an error."""
+    path = Path(path)
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    lines = text_lines(data.decode("utf-8"))
     identity = json.loads(lines[0]).get("identity") if lines else None
     done: dict[str, list[TurnRecord]] = {}
     for n, line in enumerate(lines[1:], start=2):

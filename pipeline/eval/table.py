@@ -4,6 +4,7 @@ curve of heads trained on nested fractions of the data (`<kind>-f<fraction>`, th
 
     python -m pipeline.eval.table outputs/smollm2_quality [eagle3 eagle1]
     python -m pipeline.eval.table outputs/smollm2_quality_v2 --scaling mt_bench-n40-T0-m128 --plot scaling.png
+    python -m pipeline.eval.table results/smollm2_quality_v2 ...   # the same from a results store (results_store.py)
 """
 from __future__ import annotations
 
@@ -50,9 +51,17 @@ def table(experiment_dir: Path) -> str:
     return "\n".join([HEADER, *rows])
 
 
+def answers_file(run_dir: Path) -> Optional[Path]:
+    """The run's resumable answers file, or its gzipped copy in a results store; None if it has neither."""
+    for path in (run_dir / PARTIAL, run_dir / f"{PARTIAL}.gz"):
+        if path.is_file():
+            return path
+    return None
+
+
 def turn_records(run_dir: Path) -> dict[tuple[str, int], TurnRecord]:
     """(question id, turn) -> record, from the run's resumable answers file (complete or partial)."""
-    _, done, _ = read_answers(run_dir / PARTIAL)
+    _, done, _ = read_answers(answers_file(run_dir))
     return {(r.question_id, r.turn): r for records in done.values() for r in records}
 
 
@@ -62,7 +71,7 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
     eval_dir = Path(experiment_dir) / "eval"
     for run_a in sorted((eval_dir / a).glob("*")):
         run_b = eval_dir / b / run_a.name
-        if not ((run_a / PARTIAL).exists() and (run_b / PARTIAL).exists()):
+        if not (answers_file(run_a) and answers_file(run_b)):
             continue
         ra, rb = turn_records(run_a), turn_records(run_b)
         shared = sorted(ra.keys() & rb.keys())

@@ -1,0 +1,72 @@
+"""Committed results of a long campaign (jobs/quality_v2.sh): what a finished eval and train run leave that is small,
+pickle-free and worth keeping when `outputs/` is gone, in the layout `pipeline.eval.table` reads, so a fresh machine
+skips the runs already done and the tables are built from the store alone:
+
+    <store>/eval/<head>/<run>/summary.json                  the eval's summary, as written
+    <store>/eval/<head>/<run>/answers.partial.jsonl.gz      its per-turn records (the target's answers, no prompts)
+    <store>/train/<head>/manifest.json                      the train manifest (counts, timings, final metrics,
+                                                            the tau-selected step)
+
+Its command line is `python -m pipeline.results save|has` (pipeline/results.py).
+
+Only complete runs are kept (an eval with summary.json, a train run with final/): a partial one reruns and resumes
+from `outputs/` where the machine kept it. Gzip is written without a timestamp, so saving twice changes no byte.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Optional
+
+from pipeline.eval.progress import PARTIAL
+
+
+def _write_if_changed(dest: Path, data: bytes) -> bool:
+    if dest.is_file() and dest.read_bytes() == data:
+        return False
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dest)
+    return True
+
+
+def _gzip(data: bytes) -> bytes:
+    return gzip.compress(data, compresslevel=9, mtime=0)
+
+
+def save(experiment_dir: Path, store: Path) -> dict:
+    """Copy every complete eval and train run of `experiment_dir` into `store`; returns what was written."""
+    experiment_dir, store = Path(experiment_dir), Path(store)
+    written = {"eval": [], "train": []}
+    for summary in sorted(experiment_dir.glob("eval/*/*/summary.json")):
+        run = summary.parent
+        rel = run.relative_to(experiment_dir)
+        changed = _write_if_changed(store / rel / "summary.json", summary.read_bytes())
+        if (run / PARTIAL).is_file():
+            changed |= _write_if_changed(store / rel / f"{PARTIAL}.gz", _gzip((run / PARTIAL).read_bytes()))
+        if changed:
+            written["eval"].append(str(rel))
+    for manifest in sorted(experiment_dir.glob("train/*/manifest.json")):
+        if not (manifest.parent / "final").is_dir():
+            continue
+        rel = manifest.parent.relative_to(experiment_dir)
+        if _write_if_changed(store / rel / "manifest.json", manifest.read_bytes()):
+            written["train"].append(str(rel))
+    return written
+
+
+def kept_runs(store: Path, head: str, run_prefix: str, tree: Optional[str] = None) -> list[str]:
+    """The complete eval runs of `head` in the store whose name is `run_prefix` or starts with `run_prefix-`, and
+    with `tree` (e.g. "10x6x60", or "10xautoxauto" for a tree eval chose) ends with `-tree<tree>`."""
+    runs = []
+    for summary in sorted((Path(store) / "eval" / head).glob("*/summary.json")):
+        name = summary.parent.name
+        if not (name == run_prefix or name.startswith(run_prefix + "-")):
+            continue
+        if tree is not None and not name.endswith(f"-tree{tree}"):
+            continue
+        if json.loads(summary.read_text()).get("complete", True):
+            runs.append(name)
+    return runs
