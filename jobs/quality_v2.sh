@@ -6,20 +6,20 @@
 #
 #   jobs/quality_v2.sh regen        # 2,700 conversations, ~1.65M answer tokens; llama.cpp at ~95 tok/s on 2 cores,
 #                                   # about 5 steps; commit answers/smollm2_quality_v2 after each
-#   jobs/quality_v2.sh dump         # bf16 shards, ~4.6 KB per token (prompts included): checks 12 GB free; ~1 h
 #   jobs/quality_v2.sh ablations    # 8 recipe rows at 1/8 of the data, 2 epochs each, 20 questions: ~15 min a row
 #   jobs/quality_v2.sh scaling      # EAGLE-3 and EAGLE-1 on 1/8, 1/4, 1/2 of the data (1 = the final heads)
 #   jobs/quality_v2.sh final        # final heads, their evals and exports
 #
 # What outlives the machine is committed: the regenerated answers (answers/smollm2_quality_v2) and every complete
-# eval and train run's results (results/smollm2_quality_v2, `python -m pipeline.results`). A step skips the rows
-# whose evals are there, so on a fresh machine only the dump is redone; the tables are built from the store:
+# eval and train run's results (results/smollm2_quality_v2, `python -m pipeline.results`). Training is online (the
+# target computes the states in the job; no dump to redo on a fresh machine). A step skips the rows whose evals
+# are there; the tables are built from the store:
 # `python -m pipeline.eval.table results/smollm2_quality_v2`. A train run stopped mid-way resumes only where the
 # machine kept outputs/.
 # Extra Hydra overrides go to every stage: jobs/quality_v2.sh regen data.root=/data/eaglet
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEP=${1:?"step: regen | dump | ablations | scaling | final"}; shift
+STEP=${1:?"step: regen | ablations | scaling | final"}; shift
 EXP=(experiment=smollm2_quality_v2 "$@")
 RESULTS=results/smollm2_quality_v2
 BUDGET_S=$(( ${STEP_MINUTES:-100} * 60 ))
@@ -80,18 +80,12 @@ regen)
   if [[ $status == 124 ]]; then echo "regen: step time spent; commit answers/ and rerun to continue" >&2; fi
   exit $status
   ;;
-dump)
-  # 1.7M tokens x ~4.6 KB per token (bf16, 3 fused layers + the final state) is about 8 GB.
-  avail=$(df -Pk outputs 2>/dev/null | awk 'NR==2 {print $4}')
-  if [[ -n "$avail" && "$avail" -lt 12000000 ]]; then
-    echo "quality_v2 dump: ${avail} KB free under outputs/, want 12 GB" >&2; exit 1
-  fi
-  run stage=dump "${EXP[@]}"
-  ;;
 ablations)
   # One fixed budget: an eighth of the training rows, 2 epochs; each row changes one choice from the base
   # (EAGLE-3, 7 TTT rounds, 16k draft vocabulary, lm_head from random, cosine to 0, the regenerated answers).
-  # `orig` trains on the data sets' own answers instead (online: the same conversations, not the target's words).
+  # `orig` trains on the data sets' own answers instead of the target's (dump.input=data): the sources with answers
+  # (2,171 conversations, 2.1M tokens against the regenerated set's 2,700), so its eighth is other rows, not the
+  # same ones re-answered; the table gives each row's training tokens.
   rows=(
     "base"
     "const train.schedule=constant"
@@ -100,13 +94,14 @@ ablations)
     "lmrows head.lm_head_init=target_rows"
     "vocab8k head.draft_vocab_size=8000"
     "vocab32k head.draft_vocab_size=32000"
-    "orig train.source=online dump.input=data"
+    "orig dump.input=data"
   )
   for r in "${rows[@]}"; do
     read -r name overrides <<<"$r"
     row "head=eagle3 head.name=abl-$name" "train.train_fraction=0.125 train.epochs=2 $overrides" \
       "eval.limit=20 $QUICK_EVAL"
   done
+  python -m pipeline.eval.table "$RESULTS" --ablations mt_bench-n20-T0-m128
   ;;
 scaling)
   for head in eagle3 eagle1; do
@@ -140,6 +135,6 @@ final)
   python -m pipeline.eval.table "$RESULTS" --scaling mt_bench-n40-T0-m128 --plot docs/results/quality_v2_scaling.png
   ;;
 *)
-  echo "unknown step $STEP: regen | dump | ablations | scaling | final" >&2; exit 2
+  echo "unknown step $STEP: regen | ablations | scaling | final" >&2; exit 2
   ;;
 esac

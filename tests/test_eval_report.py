@@ -8,6 +8,7 @@ import math
 import pytest
 
 from pipeline.decoding.decoder import GenerationResult
+from pipeline.eval import table
 from pipeline.eval.evaluate import TurnRecord
 from pipeline.eval.progress import PARTIAL, EvalProgress
 from pipeline.eval.report import summarize
@@ -153,3 +154,34 @@ def test_results_has_asks_for_the_run_the_same_overrides_name(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # another tree is another run
         main(["has", str(tmp_path), *overrides, "tree.depth=-1", "tree.total_tokens=-1"])
     assert e.value.code == 1
+
+
+def test_the_ablation_table_gives_each_rows_recipe_data_and_tau_against_base(tmp_path):
+    exp, run = tmp_path / "results", "mt_bench-n20-T0-m128-bfloat16-tree10x6x60"
+
+    def ablation(name, tau, train=None, head=None, dump=None, built=16000, tokens=300_000):
+        (exp / "train" / f"abl-{name}").mkdir(parents=True)
+        config = {"train": {"schedule": "cosine", "min_lr_ratio": 0.0, **(train or {})},
+                  "head": {"draft_vocab_size": 16000, "ttt_steps": 7, "lm_head_init": "random", **(head or {})},
+                  "dump": {"input": "regen", **(dump or {})}}
+        manifest = {"config": config, "counts": {"train_rows": 321, "train_tokens": tokens, "steps": 150,
+                                                 "draft_vocab_size": built}, "final_metrics": {"val/acc_0": 0.3}}
+        (exp / "train" / f"abl-{name}" / "manifest.json").write_text(json.dumps(manifest))
+        if tau is not None:
+            _summary(exp / "eval" / f"abl-{name}" / run, tau)
+
+    ablation("base", 1.80)
+    ablation("floor", 1.85, train={"min_lr_ratio": 0.1})
+    ablation("vocab32k", 1.70, head={"draft_vocab_size": 32000}, built=21000)
+    ablation("orig", 1.50, dump={"input": "data"}, tokens=260_000)
+    ablation("ttt5", None, head={"ttt_steps": 5})  # trained, not yet evaluated
+    _summary(exp / "eval/eagle3" / run, 9.0)  # not an ablation
+    rows = [[c.strip() for c in r.strip("|").split("|")]
+            for r in table.ablations(exp, "mt_bench-n20-T0-m128").splitlines()[2:]]
+    assert [r[0] for r in rows] == ["base", "floor", "orig", "ttt5", "vocab32k"]
+    by = {r[0]: r for r in rows}
+    assert by["base"][1] == "cosine, TTT 7, vocab 16000, lm_head random, regenerated" and by["base"][7] == "+0.00"
+    assert by["floor"][1].startswith("cosine to 0.1,") and by["floor"][6:] == ["1.85", "+0.05"]
+    assert "vocab 32000 (21000 seen)" in by["vocab32k"][1] and by["vocab32k"][7] == "-0.10"
+    assert by["orig"][1].endswith("dataset's") and by["orig"][3] == "260,000" and by["orig"][7] == "-0.30"
+    assert by["ttt5"][6:] == ["-", "-"]

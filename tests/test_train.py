@@ -339,8 +339,10 @@ def test_eagle1_trains_and_a_rerun_of_a_finished_stage_changes_nothing(dump_root
     main(as_config(d))
     train_dir = dump_root / EXPERIMENT / "train" / "e1"
     counts = load_manifest(train_dir, "train")["counts"]
-    n_train = len(split_train_val(len(DumpReader(dump_root / EXPERIMENT / "dump")), 0.15, 0)[0])
-    assert counts["train_rows"] == len(subsample(range(n_train), 0.5, 0)) < n_train
+    reader = DumpReader(dump_root / EXPERIMENT / "dump")
+    train_idx = subsample(split_train_val(len(reader), 0.15, 0)[0], 0.5, 0)
+    assert counts["train_rows"] == len(train_idx) < len(split_train_val(len(reader), 0.15, 0)[0])
+    assert counts["train_tokens"] == sum(int(reader.lengths[i]) for i in train_idx)  # per epoch (rows < max_length)
     records = read_metrics(train_dir / "metrics.jsonl")
     last = [r for r in records if "train/loss" in r][-1]
     assert last["step"] == 6 and {"train/feature_loss", "train/token_loss", "train/acc_0"} <= set(last)

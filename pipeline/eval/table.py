@@ -5,6 +5,7 @@ curve of heads trained on nested fractions of the data (`<kind>-f<fraction>`, th
     python -m pipeline.eval.table outputs/smollm2_quality [eagle3 eagle1]
     python -m pipeline.eval.table outputs/smollm2_quality_v2 --scaling mt_bench-n40-T0-m128 --plot scaling.png
     python -m pipeline.eval.table results/smollm2_quality_v2 ...   # the same from a results store (results_store.py)
+    python -m pipeline.eval.table results/smollm2_quality_v2 --ablations mt_bench-n20-T0-m128   # heads abl-*
 """
 from __future__ import annotations
 
@@ -155,16 +156,55 @@ def _plot_scaling(points: dict, kinds, path: Path) -> None:
     plt.close(fig)
 
 
+def _recipe(manifest: dict) -> str:
+    """The choices an ablation row varies, from its train manifest: schedule, TTT rounds, draft vocabulary (asked and
+    built), lm_head start, and whose answers it trained on."""
+    train, head, dump = (manifest["config"].get(k, {}) for k in ("train", "head", "dump"))
+    schedule = train.get("schedule", "?") + (f" to {train['min_lr_ratio']:g}" if train.get("min_lr_ratio") else "")
+    vocab = head.get("draft_vocab_size")
+    built = manifest.get("counts", {}).get("draft_vocab_size", vocab)
+    vocab_cell = f"{vocab}" if built == vocab else f"{vocab} ({built} seen)"
+    answers = "dataset's" if dump.get("input") == "data" else "regenerated"
+    return (f"{schedule}, TTT {head.get('ttt_steps', '-')}, vocab {vocab_cell}, "
+            f"lm_head {head.get('lm_head_init', '-')}, {answers}")
+
+
+def ablations(experiment_dir: Path, run_prefix: str, prefix: str = "abl-", base: str = "base") -> str:
+    """The ablation table: one row per head `<prefix><name>` with a train manifest, its recipe, training rows and
+    tokens, validation round-0 accuracy and the tau of its eval run named `run_prefix`*, against the `base` row."""
+    experiment_dir = Path(experiment_dir)
+    taus = {head: s for head, run, s in eval_summaries(experiment_dir)
+            if head.startswith(prefix) and (run == run_prefix or run.startswith(run_prefix + "-"))}
+    rows = ["| ablation | recipe | train rows | tokens per epoch | steps | val acc_0 | tau | tau - base |",
+            "|---|---|---|---|---|---|---|---|"]
+    ref = taus.get(prefix + base)
+    for path in sorted((experiment_dir / "train").glob(f"{prefix}*/manifest.json")):
+        head = path.parent.name
+        m = json.loads(path.read_text())
+        c, fm, s = m.get("counts", {}), m.get("final_metrics", {}), taus.get(head)
+        tokens = f"{c['train_tokens']:,}" if "train_tokens" in c else "-"
+        acc = f"{fm['val/acc_0']:.3f}" if "val/acc_0" in fm else "-"
+        delta = f"{s['tau'] - ref['tau']:+.2f}" if s and ref else "-"
+        rows.append(f"| {head[len(prefix):]} | {_recipe(m)} | {c.get('train_rows', '-')} | {tokens} | "
+                    f"{c.get('steps', '-')} | {acc} | {_tau_cell(s)} | {delta} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment_dir", nargs="?", default="outputs/smollm2_quality", type=Path)
     ap.add_argument("heads", nargs="*", default=["eagle3", "eagle1"], help="the two heads compared")
     ap.add_argument("--scaling", metavar="RUN_PREFIX", help="the scaling table of the eval runs named RUN_PREFIX*")
     ap.add_argument("--plot", type=Path, help="with --scaling: draw tau against the data fraction here")
+    ap.add_argument("--ablations", metavar="RUN_PREFIX", help="the ablation table of the heads abl-*, by their eval "
+                                                              "runs named RUN_PREFIX*")
     args = ap.parse_args(argv)
     a, b = (args.heads + ["eagle3", "eagle1"][len(args.heads):])[:2]  # one head named: against eagle1
     if args.scaling:
         print(scaling(args.experiment_dir, args.scaling, a, b, args.plot))
+        return
+    if args.ablations:
+        print(ablations(args.experiment_dir, args.ablations))
         return
     print(table(args.experiment_dir))
     print()

@@ -210,6 +210,7 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
     write_manifest(
         train_dir, "train", config={"train": cfg.train, "head": cfg.head, "target": cfg.target, "dump": cfg.dump},
         counts={"train_rows": len(trainer.train_idx), "val_rows": len(trainer.val_idx), "steps": trainer.step,
+                "train_tokens": int(sum(trainer.lengths[i] for i in trainer.train_idx)),  # per epoch, after max_length
                 "epoch_steps": trainer.epoch_steps, "world_size": trainer.par.world_size, **vocab_info,
                 **{f"skipped_{k}": n for k, n in trainer.skipped.items()}},
         timings={"total_s": time.perf_counter() - t0}, inputs=inputs, source=str(cfg.train.source),
