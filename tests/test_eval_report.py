@@ -96,14 +96,19 @@ def test_the_scaling_table_pairs_heads_by_data_fraction_and_tree(tmp_path):
     _summary(exp / "eval/eagle3/mt_bench-n40-T0-m128-bfloat16-tree10x-1x-1", 2.2, chosen=(3, 10, 16))  # this CPU's
     _summary(exp / "eval/eagle3-f0.5/mt_bench-n80-T0-m256-bfloat16-tree10x6x60", 9.0)  # another run: not a point
     _summary(exp / "eval/abl-ttt5/mt_bench-n40-T0-m128-bfloat16-tree10x6x60", 9.0)  # an ablation: not a point
+    for head, selected in {"eagle3": {"step": 400, "tau": 2.1, "last_step": 600}, "eagle1": None,
+                           "eagle3-f0.125": {"step": 150, "tau": 1.6, "last_step": 150}}.items():
+        (exp / "train" / head).mkdir(parents=True)  # train.select=tau: final/ is the best probe's step
+        (exp / "train" / head / "manifest.json").write_text(json.dumps({"selected": selected}))
     plot = tmp_path / "scaling.png"
     rows = scaling(exp, "mt_bench-n40-T0-m128", plot=plot).splitlines()[2:]
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
     assert [(c[0], c[1]) for c in cells] == [("0.125", "6, 10, 60"), ("0.25", "6, 10, 60"), ("0.5", "6, 10, 60"),
                                               ("1", "6, 10, 60"), ("1", "chosen")]
-    assert cells[0][2:] == ["40/40", "1.50", "1.40", f"**{1.5 / 1.4:.2f}**"]
-    assert cells[3][3:] == ["2.00", "1.60", "**1.25**"]
-    assert cells[4][3:] == ["2.20 (3, 10, 16)", "-", "-"]  # no EAGLE-1 run with a chosen tree
+    assert cells[0][2:] == ["40/40", "1.50", "1.40", f"**{1.5 / 1.4:.2f}**", "last / -"]
+    assert cells[1][6] == "- / -"  # no train manifests
+    assert cells[3][3:] == ["2.00", "1.60", "**1.25**", "400 of 600 / last"]
+    assert cells[4][3:6] == ["2.20 (3, 10, 16)", "-", "-"]  # no EAGLE-1 run with a chosen tree
     assert plot.stat().st_size > 1000
     _summary(exp / "eval/eagle1/mt_bench-n40-T0-m128-float32-tree10x6x60", 1.7)  # the same point in fp32
     with pytest.raises(ValueError, match="eval/eagle1: two runs named mt_bench-n40-T0-m128"):

@@ -109,20 +109,35 @@ def scaling_points(experiment_dir: Path, run_prefix: str, kinds=("eagle3", "eagl
 
 def scaling(experiment_dir: Path, run_prefix: str, a: str = "eagle3", b: str = "eagle1",
             plot: Optional[Path] = None) -> str:
-    """The scaling table: tau of heads a and b at each data fraction and tree, and a / b; with `plot`, tau against
-    the fraction drawn there (one line per head and tree)."""
+    """The scaling table: tau of heads a and b at each data fraction and tree, and a / b, with the checkpoint each head
+    is (train.select=tau: the step of the best decoded tau, of the last step); with `plot`, tau against the fraction
+    drawn there (one line per head and tree)."""
     points = scaling_points(experiment_dir, run_prefix, (a, b))
-    rows = [f"| data fraction | tree (depth, top_k, tokens) | questions | tau {a} | tau {b} | {a} / {b} |",
-            "|---|---|---|---|---|---|"]
+    rows = [f"| data fraction | tree (depth, top_k, tokens) | questions | tau {a} | tau {b} | {a} / {b} "
+            f"| checkpoint {a} / {b} |", "|---|---|---|---|---|---|---|"]
     for (fraction, tree), heads in points.items():
         sa, sb = heads.get(a), heads.get(b)
         first = sa or sb
         ratio = f"**{sa['tau'] / sb['tau']:.2f}**" if sa and sb else "-"
+        suffix = "" if fraction == 1 else f"-f{fraction:g}"
+        chosen = " / ".join(_checkpoint_cell(experiment_dir, kind + suffix) for kind in (a, b))
         rows.append(f"| {fraction:g} | {tree} | {first.get('questions_done', '?')}/"
-                    f"{first.get('questions', '?')} | {_tau_cell(sa)} | {_tau_cell(sb)} | {ratio} |")
+                    f"{first.get('questions', '?')} | {_tau_cell(sa)} | {_tau_cell(sb)} | {ratio} | {chosen} |")
     if plot is not None:
         _plot_scaling(points, (a, b), Path(plot))
     return "\n".join(rows)
+
+
+def _checkpoint_cell(experiment_dir: Path, head: str) -> str:
+    """Which step the head's final/ is: "last" (train.select=last, or the best tau was the last probe's), or
+    "<step> of <last>" when an earlier checkpoint decoded the best tau; "-" without a train manifest."""
+    path = Path(experiment_dir) / "train" / head / "manifest.json"
+    if not path.is_file():
+        return "-"
+    selected = json.loads(path.read_text()).get("selected")
+    if not selected or selected["step"] == selected.get("last_step"):
+        return "last"
+    return f"{selected['step']} of {selected['last_step']}"
 
 
 def _tau_cell(summary: Optional[dict]) -> str:
