@@ -7,8 +7,11 @@
 #   jobs/quality_v2.sh regen        # 2,700 conversations, ~1.65M answer tokens; llama.cpp at ~95 tok/s on 2 cores,
 #                                   # about 5 steps; commit answers/smollm2_quality_v2 after each
 #   jobs/quality_v2.sh ablations    # 8 recipe rows at 1/8 of the data, 2 epochs each, 20 questions: ~15 min a row
-#   jobs/quality_v2.sh scaling      # EAGLE-3 and EAGLE-1 on 1/8, 1/4, 1/2 of the data (1 = the final heads)
-#   jobs/quality_v2.sh final        # final heads, their evals and exports
+#   jobs/quality_v2.sh scaling      # EAGLE-3 and EAGLE-1 on 1/8, 1/4, 1/2 of the data (1 = the final heads), 3
+#                                   # epochs, 40 questions with two trees: ~4.5 h, three steps
+#   jobs/quality_v2.sh final        # the heads on all the data (EAGLE-3 ~2 h of training: two steps, and they
+#                                   # need the same machine, as a stopped train resumes from outputs/), EAGLE-3's
+#                                   # export into heads/, then every eval (~1.5 h a head)
 #
 # What outlives the machine is committed: the regenerated answers (answers/smollm2_quality_v2) and every complete
 # eval and train run's results (results/smollm2_quality_v2, `python -m pipeline.results`). Training is online (the
@@ -22,6 +25,7 @@ cd "$(dirname "$0")/.."
 STEP=${1:?"step: regen | ablations | scaling | final"}; shift
 EXP=(experiment=smollm2_quality_v2 "$@")
 RESULTS=results/smollm2_quality_v2
+HEAD_DIR=heads/smollm2-135m-instruct-eagle3
 BUDGET_S=$(( ${STEP_MINUTES:-100} * 60 ))
 # One stage in what is left of the step's time. SIGTERM is a stop request (train writes a checkpoint, eval has its
 # finished questions on disk), so every stage resumes from where the step stopped.
@@ -31,26 +35,36 @@ run() {
     echo "quality_v2 $STEP: step time spent (STEP_MINUTES=${STEP_MINUTES:-100}); commit $RESULTS and rerun" >&2
     exit 124
   fi
-  timeout --signal=TERM --kill-after=600 "$left" python -m pipeline.run "$@" || status=$?
-  if (( status == 124 )); then
-    echo "quality_v2 $STEP: step time spent in: $*; commit $RESULTS and rerun to continue" >&2
-  fi
-  if (( status != 0 )); then keep; exit $status; fi
+  # --foreground: python stays in this script's process group, so Ctrl-C or a kill of the group reaches it.
+  timeout --foreground --signal=TERM --kill-after=600 "$left" python -m pipeline.run "$@" || status=$?
+  case $status in
+    0) return ;;
+    124) echo "quality_v2 $STEP: step time spent in: $*; commit $RESULTS and rerun to continue" >&2 ;;
+    137) echo "quality_v2 $STEP: killed 10 minutes after the stop request: $*" >&2 ;;
+  esac
+  keep || true
+  exit $status
 }
-keep() { python -m pipeline.results save outputs/smollm2_quality_v2 "$RESULTS"; }
+OUT=outputs/smollm2_quality_v2
+keep() { python -m pipeline.results save "$OUT" "$RESULTS"; }
 kept() { python -m pipeline.results has "$RESULTS" stage=eval "$@" "${EXP[@]}"; }
 # row "<head overrides>" "<train overrides>" "<eval overrides>"...: train the head unless the store holds every one
-# of its evals, then run the evals it lacks. Overrides are space-separated words (no spaces inside one).
+# of its evals, then run the evals it lacks. A head trained anew (this machine has no final/ of it: a fresh one)
+# is not the head the kept evals measured, so then all its evals run again. Overrides are space-separated words
+# (no spaces inside one); the head's name is the last head.name=, else its kind.
 row() {
-  local head=$1 train=$2 todo=() e
+  local head=$1 train=$2 todo=() e name
   shift 2
   for e in "$@"; do
     # shellcheck disable=SC2086  # word lists
     kept $head $e || todo+=("$e")
   done
   if (( ${#todo[@]} == 0 )); then return; fi
+  name=$(sed -n 's/.*head\.name=\([^ ]*\).*/\1/p; t; s/.*head=\([^ ]*\).*/\1/p' <<<"$head")
+  if [[ ! -d $OUT/train/$name/final ]]; then todo=("$@"); fi
   # shellcheck disable=SC2086
   run stage=train $head $train "${EXP[@]}"
+  if [[ -n ${AFTER_TRAIN:-} ]]; then $AFTER_TRAIN "$name"; fi
   for e in "${todo[@]}"; do
     # shellcheck disable=SC2086
     run stage=eval $head $e "${EXP[@]}"
@@ -122,14 +136,20 @@ final)
   for set in alpaca gsm8k humaneval qa sum; do
     evals+=("eval.questions=\${data.root}/eagle_bench/$set/question.jsonl eval.limit=20")
   done
+  # EAGLE-3's export goes to heads/ as soon as it is trained (commit it with its model card, heads/README.md):
+  # a machine lost during the evals keeps it.
+  export_head() {
+    run stage=export head="$1" export.format=sglang export.verify=true "${EXP[@]}"
+    if [[ $1 == eagle3 ]]; then
+      mkdir -p "$HEAD_DIR"
+      cp "$OUT/export/eagle3/sglang/config.json" "$OUT/export/eagle3/sglang/model.safetensors" "$HEAD_DIR/"
+    fi
+  }
+  AFTER_TRAIN=export_head
   for head in eagle3 eagle1; do
     row "head=$head" "" "${evals[@]}"
-    # The export (commit EAGLE-3's under heads/ with its model card); a fresh machine whose evals were all kept
-    # has no head to export.
-    if [[ -d outputs/smollm2_quality_v2/train/$head/final ]]; then
-      run stage=export head=$head export.verify=true "${EXP[@]}"
-    fi
   done
+  AFTER_TRAIN=
   python -m pipeline.eval.table "$RESULTS"
   # The data-scaling curve: the scaling step's heads (1/8, 1/4, 1/2) and these (1), on the first 40 MT-bench questions.
   python -m pipeline.eval.table "$RESULTS" --scaling mt_bench-n40-T0-m128 --plot docs/results/quality_v2_scaling.png

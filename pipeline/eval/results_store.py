@@ -10,7 +10,8 @@ skips the runs already done and the tables are built from the store alone:
 Its command line is `python -m pipeline.results save|has` (pipeline/results.py).
 
 Only complete runs are kept (an eval with summary.json, a train run with final/): a partial one reruns and resumes
-from `outputs/` where the machine kept it. Gzip is written without a timestamp, so saving twice changes no byte.
+from `outputs/` where the machine kept it. Gzip is written without a timestamp and compared uncompressed, so
+saving twice changes no byte.
 """
 from __future__ import annotations
 
@@ -22,30 +23,32 @@ from typing import Optional
 from pipeline.eval.progress import PARTIAL
 
 
-def _write_if_changed(dest: Path, data: bytes) -> bool:
-    if dest.is_file() and dest.read_bytes() == data:
-        return False
+def _write_if_changed(dest: Path, data: bytes, gzipped: bool = False) -> bool:
+    """Write `data` (gzipped into dest if `gzipped`) unless dest holds it already: compared uncompressed, so
+    another zlib's bytes for the same records are no change."""
+    if dest.is_file():
+        held = gzip.decompress(dest.read_bytes()) if gzipped else dest.read_bytes()
+        if held == data:
+            return False
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp")
-    tmp.write_bytes(data)
+    tmp.write_bytes(gzip.compress(data, compresslevel=9, mtime=0) if gzipped else data)
     tmp.replace(dest)
     return True
 
 
-def _gzip(data: bytes) -> bytes:
-    return gzip.compress(data, compresslevel=9, mtime=0)
-
-
 def save(experiment_dir: Path, store: Path) -> dict:
-    """Copy every complete eval and train run of `experiment_dir` into `store`; returns what was written."""
+    """Copy every complete eval and train run of `experiment_dir` into `store`; returns what was written. A run's
+    summary.json, the mark that the store holds it (`kept_runs`), is written after its answers."""
     experiment_dir, store = Path(experiment_dir), Path(store)
     written = {"eval": [], "train": []}
     for summary in sorted(experiment_dir.glob("eval/*/*/summary.json")):
         run = summary.parent
         rel = run.relative_to(experiment_dir)
-        changed = _write_if_changed(store / rel / "summary.json", summary.read_bytes())
+        changed = False
         if (run / PARTIAL).is_file():
-            changed |= _write_if_changed(store / rel / f"{PARTIAL}.gz", _gzip((run / PARTIAL).read_bytes()))
+            changed = _write_if_changed(store / rel / f"{PARTIAL}.gz", (run / PARTIAL).read_bytes(), gzipped=True)
+        changed |= _write_if_changed(store / rel / "summary.json", summary.read_bytes())
         if changed:
             written["eval"].append(str(rel))
     for manifest in sorted(experiment_dir.glob("train/*/manifest.json")):

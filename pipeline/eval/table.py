@@ -62,7 +62,10 @@ def answers_file(run_dir: Path) -> Optional[Path]:
 
 def turn_records(run_dir: Path) -> dict[tuple[str, int], TurnRecord]:
     """(question id, turn) -> record, from the run's resumable answers file (complete or partial)."""
-    _, done, _ = read_answers(answers_file(run_dir))
+    path = answers_file(run_dir)
+    if path is None:
+        raise FileNotFoundError(f"{run_dir}: no {PARTIAL} (or .gz): no per-turn records to read")
+    _, done, _ = read_answers(path)
     return {(r.question_id, r.turn): r for records in done.values() for r in records}
 
 
@@ -188,8 +191,13 @@ def ablations(experiment_dir: Path, run_prefix: str, prefix: str = "abl-", base:
     """The ablation table: one row per head `<prefix><name>` with a train manifest, its recipe, training rows and
     tokens, validation round-0 accuracy and the tau of its eval run named `run_prefix`*, against the `base` row."""
     experiment_dir = Path(experiment_dir)
-    taus = {head: s for head, run, s in eval_summaries(experiment_dir)
-            if head.startswith(prefix) and (run == run_prefix or run.startswith(run_prefix + "-"))}
+    taus: dict = {}
+    for head, run, s in eval_summaries(experiment_dir):
+        if head.startswith(prefix) and (run == run_prefix or run.startswith(run_prefix + "-")):
+            if head in taus:
+                raise ValueError(f"{experiment_dir}/eval/{head}: two runs named {run_prefix}* (another dtype or "
+                                 f"tree?): give a longer run name prefix")
+            taus[head] = s
     rows = ["| ablation | recipe | train rows | tokens per epoch | steps | val acc_0 | tau | tau - base |",
             "|---|---|---|---|---|---|---|---|"]
     ref = taus.get(prefix + base)
