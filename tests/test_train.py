@@ -259,7 +259,7 @@ def test_eagle3_trains_end_to_end_with_offline_wandb(dump_root, tiny_model_dir, 
     from pipeline.target import load_target
     from pipeline.train.run import main
 
-    d = overrides(dump_root, tiny_model_dir, "eagle3", "e3", **{"max_steps": 10})
+    d = overrides(dump_root, tiny_model_dir, "eagle3", "e3", **{"max_steps": 10, "epochs": 3, "train_fraction": 0.5})
     cfg = as_config(d)
     cfg.wandb = WandbConfig(project="eaglet-test", mode="offline", dir=str(tmp_path / "wb"))
     final = main(cfg)
@@ -310,12 +310,17 @@ def test_eagle3_trains_end_to_end_with_offline_wandb(dump_root, tiny_model_dir, 
     head_config = json.loads((train_dir / "final" / "head_config.json").read_text())
     assert head_config["rope_theta"] == cfg.head.rope_theta and head_config["aux_layer_ids"] == [2, 4, 5]
 
-    # The draft vocabulary is the training split's most frequent loss-masked tokens.
+    # The draft vocabulary is the most frequent loss-masked tokens of the whole training split, not of the
+    # half trained on (heads at several fractions share it).
     reader = DumpReader(dump_dir)
-    train_idx, _ = split_train_val(len(reader), cfg.train.val_fraction, cfg.train.seed)
-    vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in train_idx), 384, 200)
+    split_idx, _ = split_train_val(len(reader), cfg.train.val_fraction, cfg.train.seed)
+    vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in split_idx), 384, 200)
     assert torch.equal(weights["d2t"], vocab.d2t) and torch.equal(weights["t2d"], vocab.t2d)
     assert head_config["draft_vocab_size"] == vocab.size
+    half = subsample(split_idx, 0.5, cfg.train.seed)
+    assert manifest["counts"]["train_rows"] == len(half) < len(split_idx)
+    of_half = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in half), 384, 200)
+    assert not torch.equal(of_half.t2d, vocab.t2d)
 
     # load_head: the trained weights, embeddings from the target, eval mode; a foreign target is refused.
     target = load_target(tiny_target(tiny_model_dir))

@@ -63,7 +63,8 @@ class TrainConfig:
     bucket_size: int = 256  # samples sorted by length together before packing (per epoch, after shuffling)
     max_length: int = 2048
     val_fraction: float = 0.05
-    # Train on a seeded random fraction of the training rows (validation rows unchanged): data-scaling runs.
+    # Train on a seeded random fraction of the training rows (validation rows and the EAGLE-3 draft vocabulary,
+    # counted over the whole training split, unchanged): data-scaling runs.
     train_fraction: float = 1.0
     seed: int = 0
     save_every: int = 200  # checkpoint (and real-tau decode) every N optimizer steps; 0: only at the end

@@ -77,13 +77,15 @@ def train(cfg, par: Parallel, hooks: Sequence[TrainerHook] = ()) -> dict:
     target, reader, inputs, data_identity = load_rows(cfg, par, online)
     layer_ids = reader.layer_ids if head_spec(hcfg.kind).fuses_target_layers else None
     lengths = truncated_lengths(reader.lengths, tcfg.max_length)
-    train_idx, val_idx = split_train_val(len(reader), tcfg.val_fraction, tcfg.seed)
-    train_idx = subsample(train_idx, tcfg.train_fraction, tcfg.seed)
+    split_idx, val_idx = split_train_val(len(reader), tcfg.val_fraction, tcfg.seed)
+    train_idx = subsample(split_idx, tcfg.train_fraction, tcfg.seed)
     log.info("%s: %d rows (%d train / %d validation), %d tokens", "online input" if online else f"dump {dump_dir}",
              len(reader), len(train_idx), len(val_idx), reader.num_tokens)
 
     frozen = head_target(target, cfg.target) if online else target  # a tensor-parallel target's parts, whole
-    head, vocab_info = build_head(cfg, frozen, reader, train_idx, layer_ids)
+    # The draft vocabulary counts the whole training split, so heads trained on fractions of it (ablations, the
+    # data-scaling curve) share one vocabulary: at 1/8 of a 1.5M-token set only ~6k distinct tokens are seen.
+    head, vocab_info = build_head(cfg, frozen, reader, split_idx, layer_ids)
     objective = build_objective(head, hcfg, frozen.model.get_output_embeddings().weight)
     tau_probe = None
     # A tensor-parallel target decodes on its group's ranks in lockstep: the first group probes, and (offline)
@@ -166,13 +168,13 @@ def probe_target(cfg, par: Parallel, parts):
     return target
 
 
-def build_head(cfg, target, reader, train_idx, layer_ids):
+def build_head(cfg, target, reader, vocab_idx, layer_ids):
     """The head for `cfg.head.kind`, sized from the target, with the target's frozen weights and (EAGLE-3)
-    the draft vocabulary of the training split's loss-masked tokens."""
+    the draft vocabulary of the loss-masked tokens of rows `vocab_idx` (the training split)."""
     hcfg = cfg.head
     vocab = None
     if not head_spec(hcfg.kind).full_vocab:
-        vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in train_idx),
+        vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in vocab_idx),
                                   target.model.config.vocab_size, hcfg.draft_vocab_size)
     config = DraftHeadConfig.from_target(target.model.config, hcfg.kind, draft_vocab_size=vocab.size if vocab else None,
                                          aux_layer_ids=layer_ids, **hcfg.architecture_options())
