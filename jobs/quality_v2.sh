@@ -62,8 +62,12 @@ row() {
   if (( ${#todo[@]} == 0 )); then return; fi
   name=$(sed -n 's/.*head\.name=\([^ ]*\).*/\1/p; t; s/.*head=\([^ ]*\).*/\1/p' <<<"$head")
   if [[ ! -d $OUT/train/$name/final ]]; then todo=("$@"); fi
-  # shellcheck disable=SC2086
-  run stage=train $head $train "${EXP[@]}"
+  # A complete run is not trained again: one trained on a lent GPU (python -m tools.gpu.kit unpack) has no
+  # checkpoints to resume from.
+  if [[ ! -f $OUT/train/$name/manifest.json ]]; then
+    # shellcheck disable=SC2086
+    run stage=train $head $train "${EXP[@]}"
+  fi
   if [[ -n ${AFTER_TRAIN:-} ]]; then $AFTER_TRAIN "$name"; fi
   for e in "${todo[@]}"; do
     # shellcheck disable=SC2086

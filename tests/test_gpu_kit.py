@@ -28,6 +28,44 @@ def test_gpu_kit_dry_run_passes(tmp_path):
     r1 = json.loads((tmp_path / "out1" / "results1.json").read_text())
     assert r1["phases"]["lossless_cuda"]["failures"] == 0 and r1["phases"]["lossless_cuda"]["tests"] >= 10
     assert r1["phases"]["bf16_ties"]["divergences_outside_tie_bound"] == 0
+    # Campaign mode on call 2's regen output: both heads trained online there, sent back, unpacked, and the
+    # EAGLE-3 run evaluated on CPU from outputs/ as the experiment's own evals would.
+    cplan = json.loads((tmp_path / "kit" / "plan.json").read_text())
+    assert [c["command"] for c in cplan["calls"].values()] == [
+        f"bash tools/gpu/device.sh {n} --campaign gpu_kit" for n in (1, 2, 3)]
+    assert sum(c["timeout_s"] for c in cplan["calls"].values()) <= 15 * 60 - 120
+    r2c = json.loads((tmp_path / "out2c" / "results2.json").read_text())
+    assert {p: r["status"] for p, r in r2c["phases"].items()} == dict.fromkeys(
+        ["install", "target", "inputs", "train_eagle3", "train_eagle1", "back"], "ok")
+    assert r2c["phases"]["back"]["heads"] == ["eagle1", "eagle3"]
+    assert r2c["phases"]["inputs"]["complete"] and set(r2c["campaign"]) == {"eagle1", "eagle3"}
+    train = tmp_path / "cpu_outputs" / "gpu_kit" / "train"
+    for kind in ("eagle1", "eagle3"):
+        manifest = json.loads((train / kind / "manifest.json").read_text())
+        assert manifest["source"] == "online" and (train / kind / "final" / "model.safetensors").is_file()
+        assert not (train / kind / "checkpoints").exists()  # never optimizer states
+    assert list((tmp_path / "cpu_outputs" / "gpu_kit" / "eval").rglob("summary*.json"))
+
+
+def test_campaign_parts_that_do_not_fit_one_return_go_in_the_next(tmp_path, monkeypatch):
+    src = tmp_path / "runs"
+    (src / "train" / "eagle3").mkdir(parents=True)
+    (src / "train" / "eagle3" / "weights.bin").write_bytes(bytes(range(256)) * 2000)  # 512,000 bytes
+    parts = tmp_path / "stash" / "train"
+    assert kitfiles.split_dir(src, parts, part_bytes=100_000)["parts"] == 6
+    monkeypatch.setattr(kitfiles, "BACK_FILES", 6)
+    monkeypatch.setattr(kitfiles, "BACK_TOTAL_BYTES", 2 * kitfiles.MiB)
+    out2, out3 = tmp_path / "out2", tmp_path / "out3"
+    out2.mkdir()
+    (out2 / "call2.log").write_text("log")
+    sent = kitfiles.send_parts(parts, out2, [], "results2.json")
+    # 6 files: the log, the index and (room kept for) results2.json leave 3 parts.
+    assert len(sent) == 3 and kitfiles.back_violations(out2) == []
+    out3.mkdir()
+    rest = kitfiles.send_parts(parts, out3, sent, "results3.json")
+    assert len(rest) == 3 and not set(rest) & set(sent)
+    joined = kitfiles.join_dir([out2 / "train", out3 / "train"], tmp_path / "joined")
+    assert (joined / "train" / "eagle3" / "weights.bin").read_bytes() == bytes(range(256)) * 2000
 
 
 def test_parts_join_back_checked(tmp_path):

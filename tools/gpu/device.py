@@ -8,6 +8,13 @@ from the GGUF halves, the demo chain on CUDA, then the GPU-scale quality run (re
 on MT-bench at T=0 against vanilla, verification cost by tree size) and the head's export, split into files
 that fit what comes back.
 
+Campaign mode (`--campaign EXPERIMENT`, kit.py prepare --campaign): call 2 instead trains the experiment's final
+heads on its regenerated answers, which CPU sessions made and call 2 carries (the regen stage's output, packed):
+EAGLE-3 then EAGLE-1, online, with the experiment's own recipe, only the device differing. The complete train
+runs (final/, manifest, metrics) go back split into parts; what does not fit call 2's return waits in the stash
+for call 3. `python -m tools.gpu.kit unpack` puts them under outputs/<experiment>/train/, where the
+experiment's evals (on CPU) find them.
+
 `--profile dryrun` runs the same phases here on CPU against a tiny model with small budgets (kit.py
 --dry-run); `--profile gpu` is the lent H200.
 """
@@ -16,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +50,10 @@ class Profile:
     eval_tokens: int
     micro_batch_tokens: int
     demo_overrides: list = field(default_factory=list)
+    # Campaign mode: overrides of every train run (none on the GPU: the experiment's recipe as the CPU runs it),
+    # and whether the runs read the kit's quality prompts (the dry run's campaign trains on the kit's own regen).
+    campaign_overrides: list = field(default_factory=list)
+    campaign_kit_data: bool = False
 
 
 PROFILES = {
@@ -48,28 +61,43 @@ PROFILES = {
         device="cuda",
         budgets={"env": 20, "install": 20, "lossless_cuda": 90, "bf16_ties": 40,  # call 1: 170 s
                  "target": 45, "demo": 90, "regen": 85, "dump": 25, "train": 60, "eval": 55, "tree_cost": 15,
-                 "export": 15},  # call 2: 410 s
+                 "export": 15,  # call 2: 410 s
+                 # campaign: call 2 525 s (EAGLE-3 first: ~1,700 steps of 4,096 tokens and 9 tau probes)
+                 "inputs": 10, "train_eagle3": 300, "train_eagle1": 130, "back": 20, "rest": 30},
         quality_limit=None, regen_batch=256, regen_tokens=384, train_epochs=4, eval_limit=80, eval_tokens=256,
         micro_batch_tokens=16384),
     "dryrun": Profile(
         device="cpu",
         budgets={"env": 20, "install": 20, "lossless_cuda": 90, "bf16_ties": 40,
                  "target": 45, "demo": 100, "regen": 60, "dump": 25, "train": 60, "eval": 40, "tree_cost": 15,
-                 "export": 15},
+                 "export": 15, "inputs": 10, "train_eagle3": 60, "train_eagle1": 60, "back": 20, "rest": 20},
         quality_limit=24, regen_batch=8, regen_tokens=16, train_epochs=1, eval_limit=2, eval_tokens=16,
         micro_batch_tokens=1024,
-        demo_overrides=["regen.max_new_tokens=16", "train.epochs=1", "eval.max_new_tokens=16", "eval.limit=2"]),
+        demo_overrides=["regen.max_new_tokens=16", "train.epochs=1", "eval.max_new_tokens=16", "eval.limit=2"],
+        campaign_overrides=["train.epochs=1", "train.micro_batch_tokens=1024", "train.save_every=0",
+                            "train.eval_every=0"],
+        campaign_kit_data=True),
 }
 CALL_PHASES = {1: ["env", "install", "lossless_cuda", "bf16_ties"],
                2: ["install", "target", "demo", "regen", "dump", "train", "eval", "tree_cost", "export"]}
+# Campaign call 1 only installs and stashes its GGUF half: the lease's time goes to training in call 2.
+CAMPAIGN_PHASES = {1: ["env", "install"], 2: ["install", "target", "inputs", "train_eagle3", "train_eagle1", "back"],
+                   3: ["rest"]}
+CAMPAIGN = "campaign"  # call 2's carried folder for the campaign: regen.tar.gz (kit.py campaign_pack)
+STOP_GRACE_S = 20  # a train run stopped at its phase's budget writes its checkpoint in this
+
+
+def phases(call: int, campaign: bool) -> list[str]:
+    return (CAMPAIGN_PHASES if campaign else CALL_PHASES)[call]
 
 
 class Run:
     """Runs phases in order and rewrites results.json after each one."""
 
-    def __init__(self, call: int, profile: Profile, out: Path, stash: Path, carried: Path, target: str | None):
+    def __init__(self, call: int, profile: Profile, out: Path, stash: Path, carried: Path, target: str | None,
+                 campaign: str | None = None):
         self.call, self.profile, self.out, self.stash, self.carried = call, profile, out, stash, carried
-        self.target = target
+        self.target, self.campaign = target, campaign
         self.results = {"call": call, "device": profile.device, "phases": {}}
         self.log = open(out / f"call{call}.log", "a")
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
@@ -86,11 +114,31 @@ class Run:
         return subprocess.run(args, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                               timeout=budget, check=True, **kw)
 
-    def pipeline(self, stage: str, experiment: str, overrides: list[str], budget: float):
+    def pipeline(self, stage: str, experiment: str, overrides: list[str], budget: float, outputs: Path | None = None,
+                 stoppable: bool = False):
         args = [sys.executable, "-m", "pipeline.run", f"stage={stage}", f"experiment={experiment}",
-                f"output_root={self.outputs}", f"target.device={self.profile.device}", *self.target_overrides(),
-                *overrides]
-        return self.sh(args, budget)
+                f"output_root={outputs or self.outputs}", f"target.device={self.profile.device}",
+                *self.target_overrides(), *overrides]
+        return self.sh_stoppable(args, budget) if stoppable else self.sh(args, budget)
+
+    def sh_stoppable(self, args: list[str], budget: float) -> None:
+        """`sh`, but at the budget a stop request (SIGTERM: train writes a checkpoint) STOP_GRACE_S before the
+        kill; raises TimeoutExpired then, as `sh` does."""
+        self.log.write(f"$ {' '.join(args)}\n")
+        self.log.flush()
+        proc = subprocess.Popen(args, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=max(1.0, budget - STOP_GRACE_S))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise subprocess.TimeoutExpired(args, budget) from None
+        if code:
+            raise subprocess.CalledProcessError(code, args)
 
     def target_overrides(self) -> list[str]:
         return [f"target.path={self.target}"] if self.target else []
@@ -208,10 +256,88 @@ class Run:
         export = self.outputs / "gpu_kit" / "export" / "eagle3" / "sglang"
         return kitfiles.split_dir(export, self.out / "head", kitfiles.PART_BYTES)
 
+    # -- campaign (call 2 and 3) ---------------------------------------------------------------------------
+
+    @property
+    def campaign_outputs(self) -> Path:
+        return self.stash / "campaign_outputs"
+
+    def do_inputs(self, budget):
+        """The carried regen output (answers and prompts, as the CPU's regen stage wrote them) into place."""
+        exp_dir = self.campaign_outputs / self.campaign
+        shutil.rmtree(exp_dir / "regen", ignore_errors=True)
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        top = kitfiles.extract_tar(self.carried / CAMPAIGN / "regen.tar.gz", exp_dir)
+        if top != "regen":
+            raise ValueError(f"{self.carried / CAMPAIGN / 'regen.tar.gz'} holds {top}/, not regen/")
+        return kitfiles.counts(exp_dir / "regen" / "manifest.json")
+
+    def campaign_train(self, kind: str, budget: float) -> dict:
+        p = self.profile
+        extra = list(p.campaign_overrides)
+        if p.campaign_kit_data:  # the dry run: the regen it carries was made from the kit's prompts
+            data = str(self.carried / "data" / "quality.jsonl.gz")
+            extra.append(f"data.sources=[{{path: '{data}', limit: {p.quality_limit}}}]")
+        try:
+            self.pipeline("train", self.campaign, [f"head={kind}", "train.source=online", "wandb.mode=disabled", *extra],
+                          budget,
+                          outputs=self.campaign_outputs, stoppable=True)
+        finally:
+            train_dir = self.campaign_outputs / self.campaign / "train" / kind
+            metrics = train_dir / "metrics.jsonl"
+            if metrics.is_file():  # the throughput reached, also for a run stopped at its budget
+                last = [json.loads(line) for line in metrics.read_text().splitlines() if '"tokens_per_s"' in line]
+                self.results.setdefault("campaign", {})[kind] = last[-1] if last else {}
+        return kitfiles.train_figures(train_dir)
+
+    def do_train_eagle3(self, budget):
+        return self.campaign_train("eagle3", budget)
+
+    def do_train_eagle1(self, budget):
+        return self.campaign_train("eagle1", budget)
+
+    def do_back(self, budget):
+        """The complete train runs (final/, manifest, metrics; never checkpoints) as parts; those that do not fit
+        this call's return wait in the stash for call 3."""
+        train = self.campaign_outputs / self.campaign / "train"
+        src = self.stash / "back_src" / self.campaign
+        shutil.rmtree(self.stash / "back_src", ignore_errors=True)
+        heads = []
+        for run in sorted(train.iterdir()) if train.is_dir() else []:
+            if not (run / "manifest.json").is_file() or not (run / "final").is_dir():
+                continue
+            shutil.copytree(run / "final", src / "train" / run.name / "final")
+            for name in ("manifest.json", "metrics.jsonl", "curves.png"):
+                if (run / name).is_file():
+                    shutil.copy2(run / name, src / "train" / run.name / name)
+            heads.append(run.name)
+        if not heads:
+            raise RuntimeError(f"no complete train run under {train}")
+        parts = self.stash / "back" / "train"
+        shutil.rmtree(parts.parent, ignore_errors=True)
+        split = kitfiles.split_dir(src, parts, kitfiles.PART_BYTES)
+        sent = kitfiles.send_parts(parts, self.out, [], f"results{self.call}.json")
+        kitfiles.atomic_json(self.stash / "back" / "sent.json", sent)
+        return {"heads": heads, **split, "sent": len(sent), "left_for_call_3": split["parts"] - len(sent)}
+
+    def do_rest(self, budget):
+        parts = self.stash / "back" / "train"
+        if not (self.stash / "back" / "sent.json").is_file():
+            raise FileNotFoundError(f"{parts}: nothing from call 2 (the machine went cold, or call 2 stopped early)")
+        sent = json.loads((self.stash / "back" / "sent.json").read_text())
+        now = kitfiles.send_parts(parts, self.out, sent, f"results{self.call}.json")
+        total = len(json.loads(next(parts.glob("*.index.json")).read_text())["parts"])
+        if len(sent) + len(now) < total:
+            raise RuntimeError(f"{total - len(sent) - len(now)} parts still do not fit one return")
+        return {"sent": len(now)}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("call", type=int, choices=(1, 2))
+    ap.add_argument("call", type=int, choices=(1, 2, 3))
+    ap.add_argument("--campaign", default=None, metavar="EXPERIMENT",
+                    help="call 2 trains this experiment's final heads on its carried regen output; call 3 sends "
+                         "back what did not fit")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/eaglet-kit-out"))
     ap.add_argument("--stash", default=str(REPO / ".gpustash"))
@@ -222,10 +348,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stash.mkdir(parents=True, exist_ok=True)
     carried = Path(args.carried) if args.carried else REPO / ".gpukit" / f"call{args.call}"
-    run = Run(args.call, PROFILES[args.profile], out, stash, carried, args.target)
+    if args.call == 3 and not args.campaign:
+        ap.error("call 3 is the campaign's (--campaign)")
+    run = Run(args.call, PROFILES[args.profile], out, stash, carried, args.target, args.campaign)
     if args.call == 1:  # the first GGUF half waits in the stash for call 2
         kitfiles.stash_parts(carried / "parts", stash / "parts")
-    for name in CALL_PHASES[args.call]:
+    for name in phases(args.call, bool(args.campaign)):
         run.phase(name)
     failed = [n for n, r in run.results["phases"].items() if r["status"] != "ok"]
     print(json.dumps(run.results, indent=1))

@@ -3,6 +3,9 @@
     python -m tools.gpu.kit prepare      # build .gpukit/ (ignored) and print the two `run` calls
     python -m tools.gpu.kit --dry-run    # prepare, check every device limit, run both calls here on CPU
     python -m tools.gpu.kit join DIR     # after call 2: DIR's head parts -> an export folder, checked
+    python -m tools.gpu.kit prepare --campaign outputs/smollm2_quality_v2/regen
+                                         # campaign mode: call 2 trains that experiment's final heads there
+    python -m tools.gpu.kit unpack DIR2 DIR3   # after campaign calls 2 and 3: the train runs -> outputs/
 
 (from the repository root, as every tool and bench runs).
 
@@ -18,6 +21,9 @@ at most 64 MiB travel and 8 files of at most 16 MiB come back; the whole lease i
 - call 1 (at most 3 minutes) runs what needs no GGUF; call 2 (at most 7 minutes, started right after so the
   machine is still warm) the demo chain on CUDA and a GPU-scale quality run; every phase has a budget and
   writes its results as it ends (tools/gpu/device.py), and the trained head comes back split under 16 MiB.
+- campaign mode: call 2 carries an experiment's finished regen output (packed, ~2 MB for quality v2) and
+  trains its final heads (hours on 2 CPU cores); call 3 (at most 1 minute) returns what did not fit call 2's
+  64 MiB, and `unpack` puts the train runs where the experiment's CPU evals read them.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import time
 from pathlib import Path
 
 from tools.gpu import kitfiles
+from tools.gpu.device import CAMPAIGN
 
 REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / ".gpukit"
@@ -49,7 +56,7 @@ for name in filter(None, os.environ.get("EAGLET_KIT_ABSENT", "").split(",")):
 """
 # Start-up and transfers come out of the lease too; each call's phases must leave this much of its limit.
 CALL_MARGIN_S = 10
-CALL_TIMEOUT_S = {1: kitfiles.CALL_LIMIT_S[1] + 20, 2: kitfiles.CALL_LIMIT_S[2] + 20}
+CALL_SLACK_S = 20  # a call's timeout_s over its phases' limit
 
 
 def quality_conversations(shared_data: Path) -> list[dict]:
@@ -66,7 +73,9 @@ def quality_conversations(shared_data: Path) -> list[dict]:
     return [{"id": c["id"], "messages": c["messages"]} for c in read_sources(cfg.data, BadRecordReport())]
 
 
-def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data") -> dict:
+def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data", campaign: Path | None = None) -> dict:
+    """.gpukit/ for calls 1 and 2; with `campaign` (a finished regen stage's folder,
+    outputs/<experiment>/regen), call 2 is the campaign's (campaign_pack) and call 3 follows."""
     from pipeline.target import TargetConfig, packaged_gguf
 
     if kit.exists():
@@ -90,14 +99,49 @@ def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data"
     with gzip.open(data / "quality.jsonl.gz", "wt", compresslevel=9) as f:
         f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
     shutil.copy2(shared_data / "mt_bench" / "question.jsonl", data / "mt_bench.jsonl")
-    tree = kitfiles.working_tree_bytes(REPO)
-    plan = {"conversations": len(conversations), "working_tree_bytes": tree, "calls": {}}
-    for n, folder in calls.items():
-        carried = kitfiles.tree_bytes(folder)
-        plan["calls"][n] = {"command": f"bash tools/gpu/device.sh {n}", "carry": [str(folder.relative_to(REPO))],
-                            "timeout_s": CALL_TIMEOUT_S[n], "carried_bytes": carried, "bytes": tree + carried}
+    plan = {"conversations": len(conversations), "working_tree_bytes": kitfiles.working_tree_bytes(REPO), "calls": {}}
+    write_plan(kit, plan)
+    return campaign_pack(kit, campaign) if campaign else plan
+
+
+def write_plan(kit: Path, plan: dict) -> dict:
+    """The calls' commands, carried folders and bytes (plan['campaign']: the campaign's experiment, or absent)."""
+    experiment = plan.get("campaign")
+    suffix = f" --campaign {experiment}" if experiment else ""
+    plan["calls"] = {}
+    for n in (1, 2, 3) if experiment else (1, 2):
+        folder = kit / f"call{n}"
+        carried = kitfiles.tree_bytes(folder) if folder.is_dir() else 0
+        carry = os.path.relpath(folder, REPO) if folder.resolve().is_relative_to(REPO) else str(folder)
+        plan["calls"][n] = {"command": f"bash tools/gpu/device.sh {n}{suffix}",
+                            "carry": [carry] if folder.is_dir() else [],
+                            "timeout_s": kitfiles.call_limit_s(n, bool(experiment)) + CALL_SLACK_S,
+                            "carried_bytes": carried,
+                            "bytes": plan["working_tree_bytes"] + carried}
     kitfiles.atomic_json(kit / "plan.json", plan)
     return plan
+
+
+def campaign_pack(kit: Path, regen_dir: Path) -> dict:
+    """Call 2 carries `regen_dir` (a complete regen stage: manifest, shards, errors; not its state/ or logs) as
+    campaign/regen.tar.gz; the experiment is the folder above it."""
+    import tarfile
+
+    from pipeline.manifest import load_manifest
+
+    regen_dir = Path(regen_dir).resolve()
+    manifest = load_manifest(regen_dir, expect_stage="regen")  # refuses an unfinished or foreign folder
+    if not manifest.get("complete", True):
+        raise ValueError(f"{regen_dir}: the regen stage is not complete; finish it (or finalize_partial) first")
+    dest = kit / "call2" / CAMPAIGN
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(dest / "regen.tar.gz", "w:gz", compresslevel=9) as t:
+        for name in ("manifest.json", "shards", "errors"):
+            if (regen_dir / name).exists():
+                t.add(regen_dir / name, arcname=f"regen/{name}")
+    plan = json.loads((kit / "plan.json").read_text())
+    plan["campaign"] = regen_dir.parent.name
+    return write_plan(kit, plan)
 
 
 def print_plan(plan: dict) -> None:
@@ -105,34 +149,40 @@ def print_plan(plan: dict) -> None:
     for n, call in plan["calls"].items():
         print(f"call {n}: run(command={call['command']!r}, carry={call['carry']}, timeout_s={call['timeout_s']})"
               f"  # {call['bytes']:,} B travel")
-    print("then: give_back; python -m tools.gpu.kit join /work/.device/<files_at>/head; figures in results1.json and "
-          "results2.json (docs/results/methods.md, 'On a GPU')")
+    if plan.get("campaign"):
+        print(f"then: give_back; python -m tools.gpu.kit unpack <call 2's files_at>/train <call 3's files_at>/train "
+              f"(the train runs -> outputs/{plan['campaign']}/train/); figures in results1/2/3.json")
+    else:
+        print("then: give_back; python -m tools.gpu.kit join /work/.device/<files_at>/head; figures in results1.json "
+              "and results2.json (docs/results/methods.md, 'On a GPU')")
 
 
 def limit_violations(plan: dict) -> list[str]:
-    from tools.gpu.device import CALL_PHASES, PROFILES
+    from tools.gpu.device import PROFILES, phases
 
     problems = []
     for n, call in plan["calls"].items():
         n = int(n)
         if call["bytes"] > kitfiles.TREE_BYTES:
             problems.append(f"call {n}: {call['bytes']:,} B travel, at most {kitfiles.TREE_BYTES:,}")
-        spent = sum(PROFILES["gpu"].budgets[p] for p in CALL_PHASES[n])
-        if spent + CALL_MARGIN_S > kitfiles.CALL_LIMIT_S[n]:
+        campaign = bool(plan.get("campaign"))
+        spent = sum(PROFILES["gpu"].budgets[p] for p in phases(n, campaign))
+        if spent + CALL_MARGIN_S > kitfiles.call_limit_s(n, campaign):
             problems.append(f"call {n}: phase budgets {spent} s + {CALL_MARGIN_S} s margin exceed "
-                            f"{kitfiles.CALL_LIMIT_S[n]} s")
+                            f"{kitfiles.call_limit_s(n, campaign)} s")
         if call["timeout_s"] > 600:
             problems.append(f"call {n}: timeout_s {call['timeout_s']} over the tool's 600 s")
-    total = sum(CALL_TIMEOUT_S.values())
+    total = sum(call["timeout_s"] for call in plan["calls"].values())
     if total > 15 * 60 - 120:  # two calls plus a start-up of a minute or more inside the 15-minute lease
         problems.append(f"calls' timeouts {total} s leave under 2 minutes of the 15-minute lease for start-up")
     return problems
 
 
 def dry_run(keep: Path | None = None) -> int:
-    """Prepare, check the limits, then run both calls here on CPU against a tiny model, as the device would:
-    call 2 sees only its own carried folder and what call 1 left in the stash, and no process of either call
-    can import what the device lacks (ABSENT_ON_DEVICE)."""
+    """Prepare, check the limits, then run the calls here on CPU against a tiny model, as the device would:
+    a call sees only its own carried folder and what earlier calls left in the stash, and no process of any
+    call can import what the device lacks (ABSENT_ON_DEVICE). Then the campaign mode on call 2's regen output:
+    its calls 2 and 3, `unpack`, and a CPU eval of the unpacked EAGLE-3 run."""
     t0 = time.monotonic()
     plan = prepare()
     print_plan(plan)
@@ -150,26 +200,30 @@ def dry_run(keep: Path | None = None) -> int:
     (hider / "sitecustomize.py").write_text(HIDER)
     env = dict(os.environ, EAGLET_KIT_ABSENT=",".join(ABSENT_ON_DEVICE),
                PYTHONPATH=os.pathsep.join(filter(None, [str(hider), os.environ.get("PYTHONPATH")])))
-    results = {}
-    for n in (1, 2):
-        out = work / f"out{n}"
-        cmd = [sys.executable, "-m", "tools.gpu.device", str(n), "--profile", "dryrun", "--out", str(out),
-               "--stash", str(stash), "--carried", str(KIT / f"call{n}"), "--target", str(tiny)]
+
+    def call(n: int, out: Path, carried: Path, *extra: str) -> dict:
+        cmd = [sys.executable, "-m", "tools.gpu.device", str(n), *extra, "--profile", "dryrun", "--out", str(out),
+               "--stash", str(stash), "--carried", str(carried), "--target", str(tiny)]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,
-                              timeout=kitfiles.CALL_LIMIT_S[n] + 60)
+                              timeout=kitfiles.call_limit_s(n, bool(extra)) + 60)
         wall = time.monotonic() - start
         result_file = out / f"results{n}.json"
-        results[n] = json.loads(result_file.read_text()) if result_file.is_file() else {}
-        bad = {k: v for k, v in results[n].get("phases", {}).items() if v["status"] != "ok"}
-        if proc.returncode != 0 or bad or not results[n]:
+        result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+        bad = {k: v for k, v in result.get("phases", {}).items() if v["status"] != "ok"}
+        what = f"call {n}{' ' + extra[-1] + ' campaign' if extra else ''}"
+        if proc.returncode != 0 or bad or not result:
             log = out / f"call{n}.log"
             tail = log.read_text()[-3000:] if log.is_file() else proc.stderr[-3000:]
-            problems.append(f"call {n} (dry run) failed: exit {proc.returncode}, phases {bad}\n{tail}")
-        problems += [f"call {n}: {p}" for p in kitfiles.back_violations(out)]
-        phases = ", ".join(f"{k} {v['status']} {v['wall_s']}s" for k, v in results[n].get("phases", {}).items())
+            problems.append(f"{what} (dry run) failed: exit {proc.returncode}, phases {bad}\n{tail}")
+        problems.extend(f"{what}: {p}" for p in kitfiles.back_violations(out))
+        phases = ", ".join(f"{k} {v['status']} {v['wall_s']}s" for k, v in result.get("phases", {}).items())
         files = [p for p in out.rglob("*") if p.is_file()]
-        print(f"call {n} (dry run, CPU, tiny target): {wall:.0f} s, {len(files)} files back; {phases}")
+        print(f"{what} (dry run, CPU, tiny target): {wall:.0f} s, {len(files)} files back; {phases}")
+        return result
+
+    for n in (1, 2):
+        call(n, work / f"out{n}", KIT / f"call{n}")
     head = work / "out2" / "head"
     if head.is_dir():
         export = kitfiles.join_dir(head, work / "joined")
@@ -177,10 +231,56 @@ def dry_run(keep: Path | None = None) -> int:
             problems.append(f"the joined head {export} lacks config.json or model.safetensors")
     else:
         problems.append("call 2 sent no head parts back")
+
+    # Campaign mode, on the regen output call 2 made (experiment gpu_kit), in a copy of the kit.
+    regen = stash / "outputs" / "gpu_kit" / "regen"
+    if (regen / "manifest.json").is_file():
+        ckit = work / "kit"
+        shutil.rmtree(ckit, ignore_errors=True)
+        shutil.copytree(KIT, ckit)
+        cplan = campaign_pack(ckit, regen)
+        problems.extend(f"campaign: {p}" for p in limit_violations(cplan))
+        shutil.rmtree(stash)  # a machine of its own: call 1 stashes again
+        for n in (1, 2, 3):
+            call(n, work / f"out{n}c", ckit / f"call{n}", "--campaign", "gpu_kit")
+        outputs = work / "cpu_outputs"
+        try:
+            runs = unpack([work / "out2c" / "train", work / "out3c" / "train"], outputs)
+            evaluate = [sys.executable, "-m", "pipeline.run", "stage=eval", "experiment=gpu_kit", "head=eagle3",
+                        f"output_root={outputs}", f"target.path={tiny}", "target.device=cpu", "wandb.mode=disabled",
+                        f"eval.questions={KIT / 'call2' / 'data' / 'mt_bench.jsonl'}", "eval.limit=1",
+                        "eval.max_new_tokens=8", "eval.baseline=false"]
+            proc = subprocess.run(evaluate, cwd=REPO, capture_output=True, text=True, timeout=300)
+            summaries = list((outputs / "gpu_kit" / "eval").rglob("summary*.json"))
+            if proc.returncode != 0 or not summaries:
+                problems.append(f"campaign: the CPU eval of the unpacked eagle3 failed: {proc.stderr[-3000:]}")
+            print(f"campaign: unpacked {sorted(runs)}; CPU eval {'ok' if summaries else 'failed'}")
+        except Exception as e:  # noqa: BLE001  (reported with the others)
+            problems.append(f"campaign: unpack failed: {type(e).__name__}: {e}")
+    else:
+        problems.append(f"campaign: call 2 left no regen output at {regen}")
     for p in problems:
         print(f"VIOLATION: {p}", file=sys.stderr)
     print(f"dry run {'FAILED' if problems else 'passed'} in {time.monotonic() - t0:.0f} s ({work})")
     return 1 if problems else 0
+
+
+def unpack(parts: list[Path], outputs: Path) -> list[str]:
+    """The campaign's returned parts (call 2's, call 3's folder) -> outputs/<experiment>/train/<head>/ (final/,
+    manifest, metrics); a head already there is refused, never overwritten."""
+    outputs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=outputs, prefix=".unpack-") as tmp:
+        experiment = kitfiles.join_dir([p for p in parts if p.is_dir()], Path(tmp))
+        runs = sorted((experiment / "train").iterdir())
+        dest = outputs / experiment.name / "train"
+        there = [r.name for r in runs if (dest / r.name).exists()]
+        if there:
+            raise FileExistsError(f"{dest}: {there} already there; move them away to unpack the campaign's")
+        dest.mkdir(parents=True, exist_ok=True)
+        for run in runs:
+            shutil.move(str(run), str(dest / run.name))
+    print(f"unpacked into {dest}: {[r.name for r in runs]}")
+    return [r.name for r in runs]
 
 
 def join(parts: Path, dest: Path | None) -> Path:
@@ -191,8 +291,12 @@ def join(parts: Path, dest: Path | None) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", nargs="?", choices=["prepare", "join"])
-    ap.add_argument("path", nargs="?", help="join: the folder of head parts that came back")
+    ap.add_argument("command", nargs="?", choices=["prepare", "join", "unpack"])
+    ap.add_argument("path", nargs="*", help="join: the folder of head parts that came back; unpack: the campaign's "
+                                            "train parts folders (call 2's, call 3's)")
+    ap.add_argument("--campaign", default=None, metavar="REGEN_DIR",
+                    help="prepare: campaign mode on this finished regen stage (outputs/<experiment>/regen)")
+    ap.add_argument("--outputs", default="outputs", help="unpack: the output root")
     ap.add_argument("--dest", default=None, help="join: where the export folder goes")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--keep", default=None, help="dry run: work folder to keep (default: a temporary one)")
@@ -200,11 +304,13 @@ def main() -> None:
     if args.dry_run:
         sys.exit(dry_run(args.keep))
     if args.command == "prepare":
-        print_plan(prepare())
-    elif args.command == "join":
-        join(Path(args.path), Path(args.dest) if args.dest else None)
+        print_plan(prepare(campaign=Path(args.campaign) if args.campaign else None))
+    elif args.command == "join" and len(args.path) == 1:
+        join(Path(args.path[0]), Path(args.dest) if args.dest else None)
+    elif args.command == "unpack" and args.path:
+        unpack([Path(p) for p in args.path], Path(args.outputs))
     else:
-        ap.error("prepare, join PATH, or --dry-run")
+        ap.error("prepare [--campaign REGEN_DIR], join PATH, unpack PATH..., or --dry-run")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,14 @@ MiB = 1 << 20
 TREE_BYTES = 64 * MiB  # working tree + carried paths, per call
 BACK_FILES, BACK_FILE_BYTES, BACK_TOTAL_BYTES, BACK_DEPTH = 8, 16 * MiB, 64 * MiB, 2
 BACK_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-CALL_LIMIT_S = {1: 180, 2: 420}  # the kit's own split of a 15-minute lease (start-up and transfers aside)
+# The kit's own split of a 15-minute lease (start-up and transfers aside). Campaign mode gives call 2 the time
+# (call 1 only stashes; call 3 sends back what did not fit call 2's return).
+CALL_LIMIT_S = {1: 180, 2: 420}
+CAMPAIGN_CALL_LIMIT_S = {1: 60, 2: 540, 3: 60}
+
+
+def call_limit_s(call: int, campaign: bool) -> int:
+    return (CAMPAIGN_CALL_LIMIT_S if campaign else CALL_LIMIT_S)[call]
 PART_BYTES = 15 * MiB  # one file back, with room under 16 MiB
 
 
@@ -109,8 +116,16 @@ def split_dir(src: Path, out: Path, part_bytes: int = PART_BYTES) -> dict:
     return {"parts": len(index["parts"]), "bytes": index["bytes"], "sha256": index["sha256"]}
 
 
-def join_dir(parts: Path, dest: Path) -> Path:
-    tar = join_parts(parts, dest)
+def join_dir(parts: Path | list[Path], dest: Path) -> Path:
+    """The folder `split_dir` cut, from its parts in one folder or several (campaign calls 2 and 3), under dest."""
+    tar = join_parts(*(parts if isinstance(parts, list) else [parts]), dest)
+    top = extract_tar(tar, dest)
+    tar.unlink()
+    return dest / top
+
+
+def extract_tar(tar: Path, dest: Path) -> str:
+    """Extract (plain files and folders inside dest only); returns the tar's top folder name."""
     with tarfile.open(tar) as t:
         if hasattr(tarfile, "data_filter"):
             t.extractall(dest, filter="data")
@@ -119,9 +134,30 @@ def join_dir(parts: Path, dest: Path) -> Path:
                 if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts:
                     raise ValueError(f"{tar}: refusing to extract {m.name!r}")
             t.extractall(dest)
-        top = t.getnames()[0].split("/")[0]
-    tar.unlink()
-    return dest / top
+        return t.getnames()[0].split("/")[0]
+
+
+def send_parts(parts: Path, out: Path, sent: list[str], results: str) -> list[str]:
+    """Copy parts' index and as many of its parts not in `sent` as the files already in `out` leave room for
+    (BACK_FILES files, BACK_TOTAL_BYTES in all) into out/<parts' name>/; returns the part names sent now.
+    `results`: the call's results file, rewritten after this: room is kept for it."""
+    index = next(parts.glob("*.index.json"))
+    names = json.loads(index.read_text())["parts"]
+    dest = out / parts.name
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(index, dest / index.name)
+    here = [p for p in out.rglob("*") if p.is_file()]
+    files_left = BACK_FILES - len(here) - (not (out / results).exists())
+    bytes_left = BACK_TOTAL_BYTES - sum(p.stat().st_size for p in here) - MiB
+    now = []
+    for name in names:
+        size = (parts / name).stat().st_size
+        if name in sent or files_left < 1 or size > bytes_left:
+            continue
+        shutil.copy2(parts / name, dest / name)
+        now.append(name)
+        files_left, bytes_left = files_left - 1, bytes_left - size
+    return now
 
 
 # -- wheels from the installed environment -------------------------------------------------------------------
