@@ -142,13 +142,15 @@ final)
   for set in alpaca gsm8k humaneval qa sum; do
     evals+=("eval.questions=\${data.root}/eagle_bench/$set/question.jsonl eval.limit=20")
   done
-  # EAGLE-3's export goes to heads/ as soon as it is trained (commit it with its model card, heads/README.md):
-  # a machine lost during the evals keeps it.
+  # EAGLE-3's export goes to heads/ as soon as it is trained, with its manifest and model card (README.md, from the
+  # results store; written again once the evals are in): commit the folder, a machine lost during the evals keeps it.
   export_head() {
     run stage=export head="$1" export.format=sglang export.verify=true "${EXP[@]}"
     if [[ $1 == eagle3 ]]; then
       mkdir -p "$HEAD_DIR"
-      cp "$OUT/export/eagle3/sglang/config.json" "$OUT/export/eagle3/sglang/model.safetensors" "$HEAD_DIR/"
+      cp "$OUT"/export/eagle3/sglang/{config.json,model.safetensors,manifest.json} "$HEAD_DIR/"
+      keep
+      python -m pipeline.results card "$HEAD_DIR" "$RESULTS"
     fi
   }
   AFTER_TRAIN=export_head
@@ -156,6 +158,7 @@ final)
     row "head=$head" "" "${evals[@]}"
   done
   AFTER_TRAIN=
+  python -m pipeline.results card "$HEAD_DIR" "$RESULTS"
   python -m pipeline.eval.table "$RESULTS"
   # The data-scaling curve: the scaling step's heads (1/8, 1/4, 1/2) and these (1), on the first 40 MT-bench questions.
   python -m pipeline.eval.table "$RESULTS" --scaling mt_bench-n40-T0-m128 --plot docs/results/quality_v2_scaling.png

@@ -256,6 +256,7 @@ class TrainManifest(StageManifest):
     # train.on_schedule_change=apply: [{step, from, to}] each resume that changed the lr schedule (from: null for
     # a checkpoint that did not record its own)
     schedule_changes: list = dataclasses.field(default_factory=list)
+    machine: Optional[str] = None  # the device it trained on (pipeline.precision.machine_description)
 
 
 @dataclasses.dataclass
@@ -272,6 +273,7 @@ class ExportManifest(StageManifest):
     format: Optional[str] = None
     head_config: dict = dataclasses.field(default_factory=dict)
     files: dict = dataclasses.field(default_factory=dict)
+    serve_commands: list = dataclasses.field(default_factory=list)  # the export folder as EXPORT_DIR
 
 
 MANIFESTS: dict[str, type[StageManifest]] = {

@@ -143,6 +143,14 @@ def cpu_description() -> str:
     return f"{cpu_model_name()} ({', '.join(flags) or 'no bf16 matmul flags'})"
 
 
+def machine_description(device) -> str:
+    """The device a figure was measured on: a GPU's name, or the CPU's description and the threads torch uses."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_description()}, {torch.get_num_threads()} threads"
+
+
 def cpu_computes_bf16() -> bool:
     """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX-BF16) rather than converting to fp32, from
     /proc/cpuinfo: what a server in another process (vLLM) will find, without measuring here."""

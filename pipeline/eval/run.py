@@ -18,6 +18,7 @@ from pipeline.eval.report import format_summary, log_wandb, plot_summary, summar
 from pipeline.eval.subjects import build_drafter, fp32_baseline_model, tree_choice
 from pipeline.files import atomic_write_text, sha256_file
 from pipeline.manifest import MANIFEST, to_plain, write_manifest
+from pipeline.precision import machine_description
 from pipeline.target import load_target
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def main(cfg) -> dict:
     summary.update(questions=len(questions), questions_done=n_done, complete=n_done == len(questions))
     summary["target"] = target.fingerprint
     summary["head"] = drafter_info
+    summary["machine"] = machine_description(target.device)  # where this run finished (its speed figures)
     if not layout.is_writer:  # a tensor-parallel target's other ranks decoded in lockstep; the first writes
         return summary
     if layout.sharded:

@@ -30,6 +30,7 @@ from .exporter import (
 from .formats import DTYPE_NAMES, ExportContext, ExportError, format_for_head
 
 log = logging.getLogger(__name__)
+SERVE_PATH = "EXPORT_DIR"  # the export folder in the manifest's serve commands
 
 
 def main(cfg) -> Path:
@@ -72,7 +73,9 @@ def main(cfg) -> Path:
     write_manifest(out, "export", config={"export": ecfg, "head": cfg.head, "target": cfg.target},
                    counts=counts, timings={"total_s": time.perf_counter() - t0}, inputs=[train_dir],
                    target=target.fingerprint, format=form.name, head_config=head.config.to_dict(),
-                   files=file_digests(out, [CONFIG, WEIGHTS, *form.extra_files]))
+                   files=file_digests(out, [CONFIG, WEIGHTS, *form.extra_files]),
+                   # With the folder as a placeholder: a copy of the export (a model card) names its own.
+                   serve_commands=form.serve_commands(SERVE_PATH, head.config.aux_layer_ids, ctx))
     path = str(Path(out).resolve())
     print("\n".join([f"export ({form.name}, {ecfg.dtype}): {path}",
                      *form.serve_commands(path, head.config.aux_layer_ids, ctx)]))

@@ -33,7 +33,7 @@ from pipeline.heads.io import FINAL, HEAD_CONFIG, HEAD_WEIGHTS, save_head
 from pipeline.heads.vocab import build_draft_vocab
 from pipeline.hidden_states.reader import REPAIR, DumpReader, verify_shards
 from pipeline.manifest import MANIFEST, ManifestError, file_digests, to_plain, write_manifest
-from pipeline.precision import dtype_name
+from pipeline.precision import dtype_name, machine_description
 from pipeline.target import head_target, load_target, load_target_parts
 
 from . import checkpoint as ckpt
@@ -219,6 +219,7 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
         target=target.fingerprint, precision=trainer.par.precision, head_config=head.config.to_dict(),
         thinking=cfg.regen.thinking,  # the template mode of its rows: eval renders with it
         final_metrics=final_metrics, head_files=file_digests(final_dir), selected=selected,
+        machine=machine_description(trainer.par.device),
         schedule_changes=trainer.schedule_changes)
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
                                                      if k in ("val/loss", "val/sim_tau", "eval/tau")})
