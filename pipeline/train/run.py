@@ -202,8 +202,12 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
             selected = {**json.loads((best / SELECTED).read_text()), "last_step": trainer.step}
             for name in (HEAD_WEIGHTS, HEAD_CONFIG):
                 shutil.copyfile(best / name, tmp / name)
-            log.info("train.select=tau: final/ is step %d's head (tau %.3f), not step %d's", selected["step"],
-                     selected["tau"], trainer.step)
+            if selected["step"] == trainer.step:
+                log.info("train.select=tau: final/ is the last step's head (%d, the best tau %.3f)", trainer.step,
+                         selected["tau"])
+            else:
+                log.info("train.select=tau: final/ is step %d's head (tau %.3f), not step %d's", selected["step"],
+                         selected["tau"], trainer.step)
         else:
             save_head(trainer.par.unwrap(trainer.model).head, tmp)
     if cfg.train.plot:
