@@ -6,12 +6,15 @@
 #
 #   jobs/quality_v2.sh regen        # 2,700 conversations, ~1.65M answer tokens; llama.cpp at ~95 tok/s on 2 cores,
 #                                   # about 5 steps; commit answers/smollm2_quality_v2 after each
-#   jobs/quality_v2.sh ablations    # 8 recipe rows at 1/8 of the data, 2 epochs each, 20 questions: ~15 min a row
+#   jobs/quality_v2.sh ablations    # 8 recipe rows at 1/8 of the data, 2 epochs each, 20 questions: ~30 min a row
+#                                   # (144 steps at ~10 s, then a ~5-minute eval), ~4 h in three steps
 #   jobs/quality_v2.sh scaling      # EAGLE-3 and EAGLE-1 on 1/8, 1/4, 1/2 of the data (1 = the final heads), 3
-#                                   # epochs, 40 questions with two trees: ~4.5 h, three steps
-#   jobs/quality_v2.sh final        # the heads on all the data (EAGLE-3 ~2 h of training: two steps, and they
-#                                   # need the same machine, as a stopped train resumes from outputs/), EAGLE-3's
-#                                   # export into heads/, then every eval (~1.5 h a head)
+#                                   # epochs, 40 questions with two trees: EAGLE-3 alone ~4.2 h of training, ~7 h in
+#                                   # all; a train run longer than a step needs the same machine for the next step
+#   jobs/quality_v2.sh final        # the heads on all the data (EAGLE-3: 1,728 steps, ~5 h on 2 cores, so three
+#                                   # steps on one machine, or minutes on a lent GPU: docs/gpu_kit.md, campaign
+#                                   # mode), EAGLE-3's export and model card into heads/, then every eval (~1.5 h a
+#                                   # head)
 #
 # What outlives the machine is committed: the regenerated answers (answers/smollm2_quality_v2) and every complete
 # eval and train run's results (results/smollm2_quality_v2, `python -m pipeline.results`). Training is online (the
