@@ -66,7 +66,7 @@ row() {
   name=$(sed -n 's/.*head\.name=\([^ ]*\).*/\1/p; t; s/.*head=\([^ ]*\).*/\1/p' <<<"$head")
   if [[ ! -d $OUT/train/$name/final ]]; then todo=("$@"); fi
   # A complete run is not trained again: one trained on a lent GPU (python -m tools.gpu.kit unpack) has no
-  # checkpoints to resume from.
+  # checkpoints to resume from. It is reused as it is: after changing a head's recipe, move its train folder away.
   if [[ ! -f $OUT/train/$name/manifest.json ]]; then
     # shellcheck disable=SC2086
     run stage=train $head $train "${EXP[@]}"
@@ -148,8 +148,8 @@ final)
   # EAGLE-3's export goes to heads/ as soon as it is trained, with its manifest and model card (README.md, from the
   # results store; written again once the evals are in): commit the folder, a machine lost during the evals keeps it.
   export_head() {
-    run stage=export head="$1" export.format=sglang export.verify=true "${EXP[@]}"
-    if [[ $1 == eagle3 ]]; then
+    if [[ $1 == eagle3 ]]; then  # (the sglang format holds EAGLE-3 only)
+      run stage=export head="$1" export.format=sglang export.verify=true "${EXP[@]}"
       mkdir -p "$HEAD_DIR"
       cp "$OUT"/export/eagle3/sglang/{config.json,model.safetensors,manifest.json} "$HEAD_DIR/"
       keep

@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline.answers import compose
 from pipeline.eval import results_store
 from pipeline.eval.table import HEADER, eval_summaries, row
-from pipeline.export.run import SERVE_PATH
+from pipeline.files import sha256_file
 from pipeline.manifest import MANIFEST, check_files
 
 CARD = "README.md"
@@ -29,13 +29,23 @@ def model_card(head_dir: Path, store: Path) -> str:
     """The model card of `head_dir` (an export's files with its manifest.json beside them, checked against it):
     what the head is, how it was trained (the store's train manifest of the head), every eval of it the store
     holds, and the commands that serve it from this folder."""
+    from pipeline.export.run import SERVE_PATH  # (torch and the export code: only for a card)
+
     export = json.loads((head_dir / MANIFEST).read_text())
     check_files(head_dir, export["files"], "the head", "copy the export's files and its manifest.json again")
     hc, target, head = export["head_config"], export["target"], export["config"]["head"]
     kind = KIND_NAMES.get(hc["kind"], hc["kind"])
     base = target.get("hub_id") or target.get("name")
+    # The store's train run and evals of this name count only if they are of the exported run (a head trained
+    # again, e.g. on a lent GPU, is another head): the export names its train manifest's sha256.
+    exported = (export.get("inputs") or [{}])[0].get("manifest_sha256")
     train_path = store / "train" / head["name"] / MANIFEST
-    train = json.loads(train_path.read_text()) if train_path.is_file() else None
+    train = None
+    if train_path.is_file():
+        if exported and sha256_file(train_path) != exported:
+            raise ValueError(f"{train_path} is not the train run {head_dir} was exported from (its manifest's sha256 "
+                             f"differs from the export's input): save the store from the exporting machine's outputs")
+        train = json.loads(train_path.read_text())
     weights = export["files"].get("model.safetensors", {})
     lines = ["---", f"base_model: {base}", "library_name: eaglet",
              f"tags: [speculative-decoding, {hc['kind']}, draft-model]", "---", "",
@@ -71,9 +81,10 @@ def model_card(head_dir: Path, store: Path) -> str:
                   f"- draft vocabulary: the {c.get('draft_vocab_size', '-')} most frequent predicted tokens"
                   f"{coverage}",
                   f"- final weights: {chosen}",
-                  f"- trained on {train.get('machine', 'an unrecorded machine')} in {train.get('precision', '?')}, "
-                  f"{train['timings']['total_s'] / 3600:.1f} h", ""]
-    evals = [(h, r, s) for h, r, s in eval_summaries(store) if h == head["name"]]
+                  f"- trained on {train.get('machine', 'an unrecorded machine')} in {train.get('precision', '?')}",
+                  ""]
+    evals = [(h, r, s) for h, r, s in eval_summaries(store) if h == head["name"] and (
+        not exported or s.get("head_manifest_sha256", exported) == exported)]
     lines += ["## Quality", ""]
     if evals:
         lines += ["eaglet's tree speculative decoder on the target (`stage=eval`); tau is the mean tokens emitted per "
@@ -86,7 +97,7 @@ def model_card(head_dir: Path, store: Path) -> str:
     for line in export.get("serve_commands", []):  # "serve with SGLang: python -m ..." -> a comment, the command
         what, _, command = line.partition(": ")
         command = command.strip().replace(SERVE_PATH, str(head_dir))
-        runnable = command.startswith(("python", "vllm", "llama-server"))
+        runnable = command.startswith(("python", "vllm"))  # (llama.cpp's names this machine's GGUF)
         serve += [f"# {what.removeprefix('serve with ')}", command] if runnable else [f"# {what}: {command}"]
     lines += ["## Serving", "", "From the repository root:", "", "```bash", *serve, "```", ""]
     return "\n".join(lines)

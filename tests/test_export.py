@@ -388,34 +388,39 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
                                                                                    tmp_path):
     import shutil
 
-    from pipeline.manifest import ManifestError, to_plain
+    from pipeline.export.run import main
+    from pipeline.manifest import ManifestError
     from pipeline.results import main as results_main
+    from pipeline.target import load_target
     from pipeline.train.config import TrainConfig
 
-    from pipeline.export.run import main
-
     cfg = stage_config(tmp_path / "outputs", tiny_model_dir)
-    fake_train_stage(cfg, make_head(tiny_model))
+    train_dir = fake_train_stage(cfg, make_head(tiny_model))
+    write_manifest(train_dir, "train", config={"train": TrainConfig(epochs=3, select="tau", tau_prompts=8),
+                                               "dump": {"input": "regen"}},
+                   counts={"train_rows": 2523, "val_rows": 133, "train_tokens": 2_160_000, "steps": 1728,
+                           "world_size": 1, "draft_vocab_size": 200, "coverage": 0.9991},
+                   timings={"total_s": 5400}, target=load_target(cfg.target).fingerprint, precision="bfloat16",
+                   selected={"step": 1400, "tau": 2.31, "last_step": 1728}, machine="NVIDIA H200")
     out = main(cfg)
     head_dir = tmp_path / "heads" / "tiny-eagle3"  # what a campaign commits: the export's files and manifest
     head_dir.mkdir(parents=True)
     for name in ("config.json", "model.safetensors", "manifest.json"):
         shutil.copy2(out / name, head_dir / name)
-    store = tmp_path / "results" / "t"
+    store = tmp_path / "results" / "t"  # a results store: the train manifest and the evals, as `save` keeps them
     (store / "train" / "eagle3").mkdir(parents=True)
-    train = {"config": {"train": to_plain(TrainConfig(epochs=3, select="tau", tau_prompts=8)), "dump": {"input": "regen"}},
-             "counts": {"train_rows": 2523, "val_rows": 133, "train_tokens": 2_160_000, "steps": 1728,
-                        "world_size": 1, "draft_vocab_size": 200, "coverage": 0.9991},
-             "selected": {"step": 1400, "tau": 2.31, "last_step": 1728}, "machine": "NVIDIA H200",
-             "precision": "bfloat16", "timings": {"total_s": 5400}}
-    (store / "train" / "eagle3" / "manifest.json").write_text(json.dumps(train))
-    run = store / "eval" / "eagle3" / "mt_bench-n80-T0-m256-bfloat16-tree10x6x60"
-    run.mkdir(parents=True)
+    shutil.copy2(train_dir / "manifest.json", store / "train" / "eagle3" / "manifest.json")
     summary = {"tau": 2.4, "acceptance_by_depth": [0.6, 0.4, 0.3], "turns": 160, "questions": 80, "questions_done": 80,
                "spec_tokens_per_s": 50.0, "baseline_tokens_per_s": 30.0, "speedup": 1.67, "baseline_turns": 20,
                "settings": {"depth": 6, "top_k": 10, "total_tokens": 60, "temperature": 0},
-               "machine": "Intel(R) Xeon(R) Processor (amx_bf16, avx512_bf16), 2 threads"}
-    (run / "summary.json").write_text(json.dumps(summary))
+               "machine": "Intel(R) Xeon(R) Processor (amx_bf16, avx512_bf16), 2 threads",
+               "head_manifest_sha256": sha256_file(train_dir / "manifest.json")}
+    for run, s in {"mt_bench-n80-T0-m256-bfloat16-tree10x6x60": summary,
+                   # an eval of another train run of the same name (trained again since): not this head's
+                   "mt_bench-n40-T0-m128-bfloat16-tree10x6x60": {**summary, "tau": 9.0,
+                                                                  "head_manifest_sha256": "0" * 64}}.items():
+        (store / "eval" / "eagle3" / run).mkdir(parents=True)
+        (store / "eval" / "eagle3" / run / "summary.json").write_text(json.dumps(s))
 
     results_main(["card", str(head_dir), str(store)])
     card = (head_dir / "README.md").read_text()
@@ -423,11 +428,15 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
     assert sha256_file(head_dir / "model.safetensors")[:16] in card
     assert "2,523 conversations, 2,160,000 tokens per epoch, the target's own answers" in card
     assert "step 1400 of 1728, the best decoded tau (2.31) of the probes on 8 validation prompts" in card
-    assert "trained on NVIDIA H200 in bfloat16, 1.5 h" in card
+    assert "trained on NVIDIA H200 in bfloat16" in card
     assert "| eagle3 | mt_bench-n80 | 0 | 80/80 | 160 | **2.40** |" in card and "1.67x (20 turns)" in card
-    assert "2 threads" in card
+    assert "**9.00**" not in card and "2 threads" in card
     assert f"--speculative-draft-model-path {head_dir} --speculative-num-steps 6" in card  # served from its folder
 
+    manifest = store / "train" / "eagle3" / "manifest.json"  # the store's run is not the exported one
+    manifest.write_text(manifest.read_text().replace('"steps": 1728', '"steps": 1729'))
+    with pytest.raises(ValueError, match="not the train run"):
+        results_main(["card", str(head_dir), str(store)])
     (head_dir / "model.safetensors").write_bytes(b"\0" + (head_dir / "model.safetensors").read_bytes()[1:])
     with pytest.raises(ManifestError, match="model.safetensors"):  # not the export the manifest describes
         results_main(["card", str(head_dir), str(store)])

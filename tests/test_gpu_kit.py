@@ -37,7 +37,7 @@ def test_gpu_kit_dry_run_passes(tmp_path):
     r2c = json.loads((tmp_path / "out2c" / "results2.json").read_text())
     assert {p: r["status"] for p, r in r2c["phases"].items()} == dict.fromkeys(
         ["install", "target", "inputs", "train_eagle3", "train_eagle1", "back"], "ok")
-    assert r2c["phases"]["back"]["heads"] == ["eagle1", "eagle3"]
+    assert list(r2c["phases"]["back"]["heads"]) == ["eagle3", "eagle1"]  # each run in parts of its own, EAGLE-3 first
     assert r2c["phases"]["inputs"]["complete"] and set(r2c["campaign"]) == {"eagle1", "eagle3"}
     train = tmp_path / "cpu_outputs" / "gpu_kit" / "train"
     for kind in ("eagle1", "eagle3"):
@@ -62,6 +62,11 @@ def test_campaign_parts_that_do_not_fit_one_return_go_in_the_next(tmp_path, monk
     # 6 files: the log, the index and (room kept for) results2.json leave 3 parts.
     assert len(sent) == 3 and kitfiles.back_violations(out2) == []
     out3.mkdir()
+    for i in range(4):  # a return with no room left: nothing goes, not even the index
+        (out3 / f"f{i}.txt").write_text("x")
+    assert kitfiles.send_parts(parts, out3, sent, "results3.json") == [] and not (out3 / "train").exists()
+    for i in range(4):
+        (out3 / f"f{i}.txt").unlink()
     rest = kitfiles.send_parts(parts, out3, sent, "results3.json")
     assert len(rest) == 3 and not set(rest) & set(sent)
     joined = kitfiles.join_dir([out2 / "train", out3 / "train"], tmp_path / "joined")

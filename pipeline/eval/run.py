@@ -84,6 +84,8 @@ def main(cfg) -> dict:
     summary.update(questions=len(questions), questions_done=n_done, complete=n_done == len(questions))
     summary["target"] = target.fingerprint
     summary["head"] = drafter_info
+    if inputs:  # the train run it evaluated, as a model card matches them
+        summary["head_manifest_sha256"] = identity["head_manifest_sha256"]
     summary["machine"] = machine_description(target.device)  # where this run finished (its speed figures)
     if not layout.is_writer:  # a tensor-parallel target's other ranks decoded in lockstep; the first writes
         return summary

@@ -279,9 +279,8 @@ class Run:
             data = str(self.carried / "data" / "quality.jsonl.gz")
             extra.append(f"data.sources=[{{path: '{data}', limit: {p.quality_limit}}}]")
         try:
-            self.pipeline("train", self.campaign, [f"head={kind}", "train.source=online", "wandb.mode=disabled", *extra],
-                          budget,
-                          outputs=self.campaign_outputs, stoppable=True)
+            overrides = [f"head={kind}", "train.source=online", "wandb.mode=disabled", *extra]
+            self.pipeline("train", self.campaign, overrides, budget, outputs=self.campaign_outputs, stoppable=True)
         finally:
             train_dir = self.campaign_outputs / self.campaign / "train" / kind
             metrics = train_dir / "metrics.jsonl"
@@ -297,39 +296,43 @@ class Run:
         return self.campaign_train("eagle1", budget)
 
     def do_back(self, budget):
-        """The complete train runs (final/, manifest, metrics; never checkpoints) as parts; those that do not fit
-        this call's return wait in the stash for call 3."""
+        """Each complete train run (final/, manifest, metrics; never checkpoints) as parts of its own, EAGLE-3's
+        first: what does not fit this call's return waits in the stash for call 3, and a run whose parts all came
+        back is whole without the other's."""
         train = self.campaign_outputs / self.campaign / "train"
-        src = self.stash / "back_src" / self.campaign
-        shutil.rmtree(self.stash / "back_src", ignore_errors=True)
-        heads = []
-        for run in sorted(train.iterdir()) if train.is_dir() else []:
-            if not (run / "manifest.json").is_file() or not (run / "final").is_dir():
-                continue
-            shutil.copytree(run / "final", src / "train" / run.name / "final")
+        back = self.stash / "back"
+        shutil.rmtree(back, ignore_errors=True)
+        runs = sorted((r for r in train.iterdir() if (r / "manifest.json").is_file() and (r / "final").is_dir())
+                      if train.is_dir() else [], key=lambda r: (r.name != "eagle3", r.name))
+        if not runs:
+            raise RuntimeError(f"no complete train run under {train}")
+        sent, record = {}, {}
+        for run in runs:
+            src = back / "src" / run.name / self.campaign / "train" / run.name  # unpack: <experiment>/train/<head>
+            shutil.copytree(run / "final", src / "final")
             for name in ("manifest.json", "metrics.jsonl", "curves.png"):
                 if (run / name).is_file():
-                    shutil.copy2(run / name, src / "train" / run.name / name)
-            heads.append(run.name)
-        if not heads:
-            raise RuntimeError(f"no complete train run under {train}")
-        parts = self.stash / "back" / "train"
-        shutil.rmtree(parts.parent, ignore_errors=True)
-        split = kitfiles.split_dir(src, parts, kitfiles.PART_BYTES)
-        sent = kitfiles.send_parts(parts, self.out, [], f"results{self.call}.json")
-        kitfiles.atomic_json(self.stash / "back" / "sent.json", sent)
-        return {"heads": heads, **split, "sent": len(sent), "left_for_call_3": split["parts"] - len(sent)}
+                    shutil.copy2(run / name, src / name)
+            split = kitfiles.split_dir(src.parents[1], back / "parts" / run.name, kitfiles.PART_BYTES)
+            sent[run.name] = kitfiles.send_parts(back / "parts" / run.name, self.out, [], f"results{self.call}.json")
+            record[run.name] = {**split, "sent": len(sent[run.name])}
+        kitfiles.atomic_json(back / "sent.json", sent)
+        return {"heads": record, "left_for_call_3": sum(r["parts"] - r["sent"] for r in record.values())}
 
     def do_rest(self, budget):
-        parts = self.stash / "back" / "train"
-        if not (self.stash / "back" / "sent.json").is_file():
-            raise FileNotFoundError(f"{parts}: nothing from call 2 (the machine went cold, or call 2 stopped early)")
-        sent = json.loads((self.stash / "back" / "sent.json").read_text())
-        now = kitfiles.send_parts(parts, self.out, sent, f"results{self.call}.json")
-        total = len(json.loads(next(parts.glob("*.index.json")).read_text())["parts"])
-        if len(sent) + len(now) < total:
-            raise RuntimeError(f"{total - len(sent) - len(now)} parts still do not fit one return")
-        return {"sent": len(now)}
+        back = self.stash / "back"
+        if not (back / "sent.json").is_file():
+            raise FileNotFoundError(f"{back}: nothing from call 2 (the machine went cold, or call 2 stopped early)")
+        sent, left = json.loads((back / "sent.json").read_text()), {}
+        for name, done in sent.items():
+            parts = back / "parts" / name
+            total = len(json.loads(next(parts.glob("*.index.json")).read_text())["parts"])
+            now = kitfiles.send_parts(parts, self.out, done, f"results{self.call}.json") if len(done) < total else []
+            if len(done) + len(now) < total:
+                left[name] = total - len(done) - len(now)
+        if left:
+            raise RuntimeError(f"parts that still do not fit one return: {left}")
+        return {"sent": {name: len(done) for name, done in sent.items()}}
 
 
 def main() -> None:

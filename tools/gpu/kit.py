@@ -5,7 +5,7 @@
     python -m tools.gpu.kit join DIR     # after call 2: DIR's head parts -> an export folder, checked
     python -m tools.gpu.kit prepare --campaign outputs/smollm2_quality_v2/regen
                                          # campaign mode: call 2 trains that experiment's final heads there
-    python -m tools.gpu.kit unpack DIR2 DIR3   # after campaign calls 2 and 3: the train runs -> outputs/
+    python -m tools.gpu.kit unpack DIR2 DIR3   # campaign calls 2 and 3's files: the train runs -> outputs/
 
 (from the repository root, as every tool and bench runs).
 
@@ -150,7 +150,7 @@ def print_plan(plan: dict) -> None:
         print(f"call {n}: run(command={call['command']!r}, carry={call['carry']}, timeout_s={call['timeout_s']})"
               f"  # {call['bytes']:,} B travel")
     if plan.get("campaign"):
-        print(f"then: give_back; python -m tools.gpu.kit unpack <call 2's files_at>/train <call 3's files_at>/train "
+        print(f"then: give_back; python -m tools.gpu.kit unpack <call 2's files_at> <call 3's files_at> "
               f"(the train runs -> outputs/{plan['campaign']}/train/); figures in results1/2/3.json")
     else:
         print("then: give_back; python -m tools.gpu.kit join /work/.device/<files_at>/head; figures in results1.json "
@@ -245,7 +245,7 @@ def dry_run(keep: Path | None = None) -> int:
             call(n, work / f"out{n}c", ckit / f"call{n}", "--campaign", "gpu_kit")
         outputs = work / "cpu_outputs"
         try:
-            runs = unpack([work / "out2c" / "train", work / "out3c" / "train"], outputs)
+            runs = unpack([work / "out2c", work / "out3c"], outputs)
             evaluate = [sys.executable, "-m", "pipeline.run", "stage=eval", "experiment=gpu_kit", "head=eagle3",
                         f"output_root={outputs}", f"target.path={tiny}", "target.device=cpu", "wandb.mode=disabled",
                         f"eval.questions={KIT / 'call2' / 'data' / 'mt_bench.jsonl'}", "eval.limit=1",
@@ -265,22 +265,28 @@ def dry_run(keep: Path | None = None) -> int:
     return 1 if problems else 0
 
 
-def unpack(parts: list[Path], outputs: Path) -> list[str]:
-    """The campaign's returned parts (call 2's, call 3's folder) -> outputs/<experiment>/train/<head>/ (final/,
-    manifest, metrics); a head already there is refused, never overwritten."""
+def unpack(returns: list[Path], outputs: Path) -> list[str]:
+    """The campaign's returned folders (call 2's and call 3's files) -> outputs/<experiment>/train/<head>/ (final/,
+    manifest, metrics), one head per parts folder, its parts from either return; a head already there is refused,
+    never overwritten."""
+    heads = sorted({d.name for r in returns if r.is_dir() for d in r.iterdir() if d.is_dir()})
+    if not heads:
+        raise FileNotFoundError(f"no head parts in {[str(r) for r in returns]}")
     outputs.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=outputs, prefix=".unpack-") as tmp:
-        experiment = kitfiles.join_dir([p for p in parts if p.is_dir()], Path(tmp))
-        runs = sorted((experiment / "train").iterdir())
-        dest = outputs / experiment.name / "train"
-        there = [r.name for r in runs if (dest / r.name).exists()]
-        if there:
-            raise FileExistsError(f"{dest}: {there} already there; move them away to unpack the campaign's")
-        dest.mkdir(parents=True, exist_ok=True)
-        for run in runs:
-            shutil.move(str(run), str(dest / run.name))
-    print(f"unpacked into {dest}: {[r.name for r in runs]}")
-    return [r.name for r in runs]
+    done = []
+    for head in heads:
+        with tempfile.TemporaryDirectory(dir=outputs, prefix=".unpack-") as tmp:
+            experiment = kitfiles.join_dir([r / head for r in returns if (r / head).is_dir()], Path(tmp))
+            run, dest = experiment / "train" / head, outputs / experiment.name / "train" / head
+            if not run.is_dir():
+                raise ValueError(f"the parts of {head} hold no {experiment.name}/train/{head}/")
+            if dest.exists():
+                raise FileExistsError(f"{dest} is already there; move it away to unpack the campaign's")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(run), str(dest))
+            done.append(f"{experiment.name}/train/{head}")
+    print(f"unpacked into {outputs}: {done}")
+    return done
 
 
 def join(parts: Path, dest: Path | None) -> Path:
@@ -292,8 +298,8 @@ def join(parts: Path, dest: Path | None) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", nargs="?", choices=["prepare", "join", "unpack"])
-    ap.add_argument("path", nargs="*", help="join: the folder of head parts that came back; unpack: the campaign's "
-                                            "train parts folders (call 2's, call 3's)")
+    ap.add_argument("path", nargs="*", help="join: the folder of head parts that came back; unpack: the folders "
+                                            "campaign calls 2 and 3 sent back")
     ap.add_argument("--campaign", default=None, metavar="REGEN_DIR",
                     help="prepare: campaign mode on this finished regen stage (outputs/<experiment>/regen)")
     ap.add_argument("--outputs", default="outputs", help="unpack: the output root")

@@ -138,25 +138,28 @@ def extract_tar(tar: Path, dest: Path) -> str:
 
 
 def send_parts(parts: Path, out: Path, sent: list[str], results: str) -> list[str]:
-    """Copy parts' index and as many of its parts not in `sent` as the files already in `out` leave room for
-    (BACK_FILES files, BACK_TOTAL_BYTES in all) into out/<parts' name>/; returns the part names sent now.
-    `results`: the call's results file, rewritten after this: room is kept for it."""
+    """Copy as many of the parts in `parts` not in `sent` as the files already in `out` leave room for
+    (BACK_FILES files, BACK_TOTAL_BYTES in all) into out/<parts' name>/ with their index; nothing when not one
+    fits. Returns the part names sent now. `results`: the call's results file, rewritten after this: room is
+    kept for it."""
     index = next(parts.glob("*.index.json"))
-    names = json.loads(index.read_text())["parts"]
-    dest = out / parts.name
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(index, dest / index.name)
-    here = [p for p in out.rglob("*") if p.is_file()]
-    files_left = BACK_FILES - len(here) - (not (out / results).exists())
-    bytes_left = BACK_TOTAL_BYTES - sum(p.stat().st_size for p in here) - MiB
+    names = [n for n in json.loads(index.read_text())["parts"] if n not in sent]
+    here = [p for p in out.rglob("*") if p.is_file()] if out.is_dir() else []
+    files_left = BACK_FILES - len(here) - (not (out / results).exists()) - 1  # - 1: the index
+    bytes_left = BACK_TOTAL_BYTES - sum(p.stat().st_size for p in here) - MiB - index.stat().st_size
     now = []
     for name in names:
         size = (parts / name).stat().st_size
-        if name in sent or files_left < 1 or size > bytes_left:
-            continue
-        shutil.copy2(parts / name, dest / name)
+        if files_left < 1 or size > bytes_left:
+            break  # in order: a run's parts go back first to last
         now.append(name)
         files_left, bytes_left = files_left - 1, bytes_left - size
+    if now:
+        dest = out / parts.name
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(index, dest / index.name)
+        for name in now:
+            shutil.copy2(parts / name, dest / name)
     return now
 
 
