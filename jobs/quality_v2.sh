@@ -122,8 +122,14 @@ ablations)
     "floor train.min_lr_ratio=0.1"
     "vocab32k head.draft_vocab_size=32000"
   )
+  # The base recipe is spelled out, so the rows stay one change from it when the experiment's own recipe
+  # (conf/head_recipe/eagle3/smollm2_quality_v2.yaml) takes what they showed.
+  base=(head.draft_vocab_size=16000 head.ttt_steps=7)
   for r in "${rows[@]}"; do
     read -r name overrides <<<"$r"
+    for kv in "${base[@]}"; do
+      if [[ " $overrides" != *" ${kv%%=*}="* ]]; then overrides+=" $kv"; fi
+    done
     row "head=eagle3 head.name=abl-$name" "train.train_fraction=0.125 train.epochs=2 $overrides" \
       "eval.limit=20 $QUICK_EVAL"
   done
