@@ -190,3 +190,14 @@ def test_the_ablation_table_gives_each_rows_recipe_data_and_tau_against_base(tmp
     assert "vocab 32000 (21000 seen)" in by["vocab32k"][1] and by["vocab32k"][7] == "-0.10"
     assert by["orig"][1].endswith("dataset's") and by["orig"][3] == "260,000" and by["orig"][7] == "-0.30"
     assert by["ttt5"][6:] == ["-", "-"]
+    # With per-turn records, the difference gets a paired bootstrap interval over questions.
+    _write(exp / "eval/abl-base" / run, {str(q): [[1, 0, 2], [1]] for q in range(10)})
+    _write(exp / "eval/abl-floor" / run, {str(q): [[2, 1, 2], [1 + q % 2]] for q in range(10)})
+    rows = [[c.strip() for c in r.strip("|").split("|")]
+            for r in table.ablations(exp, "mt_bench-n20-T0-m128").splitlines()[2:]]
+    floor = next(r for r in rows if r[0] == "floor")[7]
+    low, high = (float(x) for x in floor.split("(")[1].rstrip(")").split(","))
+    assert floor.startswith("+0.05 (") and 0 < low <= high  # better on every question: the interval excludes 0
+    assert next(r for r in rows if r[0] == "vocab32k")[7] == "-0.10"  # no records: no interval
+    same = table.turn_records(exp / "eval/abl-base" / run)
+    assert table.paired_tau_ci(same, same) == (0.0, 0.0) and table.paired_tau_ci(same, {}) is None

@@ -88,6 +88,28 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
     return "\n".join(rows)
 
 
+def paired_tau_ci(ra: dict, rb: dict, resamples: int = 2000, seed: int = 0) -> Optional[tuple[float, float]]:
+    """95% interval of tau(a) - tau(b) over the turns both answered, by a paired bootstrap over questions (both heads
+    decode the same prompts, and greedy speculative decoding gives the same answers, so a question's turns are
+    resampled for both at once); None without a shared question."""
+    import numpy as np
+
+    by_q: dict = {}
+    for key in ra.keys() & rb.keys():
+        acc = by_q.setdefault(key[0], np.zeros(4))
+        for i, r in enumerate((ra[key], rb[key])):
+            acc[2 * i] += sum(r.accept_lengths)  # tokens emitted over its verification forwards
+            acc[2 * i + 1] += len(r.accept_lengths)
+    if not by_q:
+        return None
+    sums = np.stack([by_q[q] for q in sorted(by_q)])  # [questions, (a tokens, a forwards, b tokens, b forwards)]
+    picks = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
+    totals = sums[picks].sum(axis=1)  # [resamples, 4]
+    diffs = totals[:, 0] / totals[:, 1] - totals[:, 2] / totals[:, 3]
+    low, high = np.quantile(diffs, [0.025, 0.975])
+    return float(low), float(high)
+
+
 SCALED_HEAD = re.compile(r"^(?P<kind>[a-z0-9_]+?)(?:-f(?P<fraction>[0-9]*\.?[0-9]+))?$")
 
 
@@ -197,10 +219,12 @@ def ablations(experiment_dir: Path, run_prefix: str, prefix: str = "abl-", base:
             if head in taus:
                 raise ValueError(f"{experiment_dir}/eval/{head}: two runs named {run_prefix}* (another dtype or "
                                  f"tree?): give a longer run name prefix")
-            taus[head] = s
-    rows = ["| ablation | recipe | train rows | tokens per epoch | steps | val acc_0 | tau | tau - base |",
+            taus[head] = {**s, "_run": run}
+    rows = ["| ablation | recipe | train rows | tokens per epoch | steps | val acc_0 | tau | tau - base (95% CI) |",
             "|---|---|---|---|---|---|---|---|"]
     ref = taus.get(prefix + base)
+    runs = {head: experiment_dir / "eval" / head / s["_run"] for head, s in taus.items()}
+    ref_records = turn_records(runs[prefix + base]) if ref and answers_file(runs[prefix + base]) else None
     for path in sorted((experiment_dir / "train").glob(f"{prefix}*/manifest.json")):
         head = path.parent.name
         m = json.loads(path.read_text())
@@ -208,6 +232,9 @@ def ablations(experiment_dir: Path, run_prefix: str, prefix: str = "abl-", base:
         tokens = f"{c['train_tokens']:,}" if "train_tokens" in c else "-"
         acc = f"{fm['val/acc_0']:.3f}" if "val/acc_0" in fm else "-"
         delta = f"{s['tau'] - ref['tau']:+.2f}" if s and ref else "-"
+        if s and ref_records and head != prefix + base and answers_file(runs[head]):
+            ci = paired_tau_ci(turn_records(runs[head]), ref_records)
+            delta += f" ({ci[0]:+.2f}, {ci[1]:+.2f})" if ci else ""
         rows.append(f"| {head[len(prefix):]} | {_recipe(m)} | {c.get('train_rows', '-')} | {tokens} | "
                     f"{c.get('steps', '-')} | {acc} | {_tau_cell(s)} | {delta} |")
     return "\n".join(rows)
