@@ -56,7 +56,12 @@ def test_heads_are_compared_on_the_turns_both_answered(tmp_path):
     # eagle3 on the shared 3 turns: (4 + 2 + 1 + 3 + 3) / 5 forwards; eagle1: (2 + 2 + 2 + 1 + 1) / 5
     cells = [c.strip() for c in rows[2].strip("|").split("|")]
     assert cells[:3] == ["mt_bench", "0", "3"]
-    assert [float(c.strip("*")) for c in cells[3:]] == pytest.approx([2.6, 1.6, 2.6 / 1.6], abs=5e-3)
+    ratio, interval = cells[5].split(" ", 1)
+    assert [float(c.strip("*")) for c in (*cells[3:5], ratio)] == pytest.approx([2.6, 1.6, 2.6 / 1.6], abs=5e-3)
+    # The paired bootstrap resamples the 2 shared questions, each drawn alone a quarter of the time: question 1
+    # (eagle3 4 accepted over 3 forwards, eagle1 3 over 3: 2.33 / 2) and question 2 (3 / 1) bound the interval.
+    low, high = (float(x) for x in interval.strip("()").split(","))
+    assert (low, high) == pytest.approx((7 / 6, 3.0), abs=5e-3)
 
 
 def test_a_torn_last_line_is_dropped_and_a_corrupt_middle_line_refused(tmp_path):

@@ -71,7 +71,8 @@ def turn_records(run_dir: Path) -> dict[tuple[str, int], TurnRecord]:
 
 def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> str:
     """tau of heads a and b on the turns both answered, per eval run name both heads have, and a / b."""
-    rows = [f"| question set | T | turns both answered | tau {a} | tau {b} | {a} / {b} |", "|---|---|---|---|---|---|"]
+    rows = [f"| question set | T | turns both answered | tau {a} | tau {b} | {a} / {b} (95% CI) |",
+            "|---|---|---|---|---|---|"]
     eval_dir = Path(experiment_dir) / "eval"
     for run_a in sorted((eval_dir / a).glob("*")):
         run_b = eval_dir / b / run_a.name
@@ -84,29 +85,52 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
         ta, tb = tau_of([ra[k] for k in shared]), tau_of([rb[k] for k in shared])
         name, rest = run_a.name.rsplit("-T", 1)
         temp = rest.split("-", 1)[0]  # <set>[-n<limit>]-T<temperature>-m<tokens>-<precision>-tree<k>x<d>x<n>
-        rows.append(f"| {name} | {temp} | {len(shared)} | {ta:.2f} | {tb:.2f} | **{ta / tb:.2f}** |")
+        low, high = paired_ratio_ci(ra, rb)
+        rows.append(f"| {name} | {temp} | {len(shared)} | {ta:.2f} | {tb:.2f} | **{ta / tb:.2f}** ({low:.2f}, "
+                    f"{high:.2f}) |")
     return "\n".join(rows)
 
 
-def paired_tau_ci(ra: dict, rb: dict, resamples: int = 2000, seed: int = 0) -> Optional[tuple[float, float]]:
-    """95% interval of tau(a) - tau(b) over the turns both answered, by a paired bootstrap over questions (both heads
-    decode the same prompts, and greedy speculative decoding gives the same answers, so a question's turns are
-    resampled for both at once); None without a shared question."""
+def paired_taus(ra: dict, rb: dict, resamples: int = 2000, seed: int = 0):
+    """Bootstrap draws [resamples, 2] of (tau(a), tau(b)) over the turns both answered, resampling questions for both
+    at once (both heads decode the same prompts, and greedy speculative decoding gives the same answers); None
+    without a shared question."""
     import numpy as np
 
     by_q: dict = {}
     for key in ra.keys() & rb.keys():
         acc = by_q.setdefault(key[0], np.zeros(4))
         for i, r in enumerate((ra[key], rb[key])):
-            acc[2 * i] += sum(r.accept_lengths)  # tokens emitted over its verification forwards
+            acc[2 * i] += sum(r.accept_lengths)  # tokens accepted over its verification forwards
             acc[2 * i + 1] += len(r.accept_lengths)
     if not by_q:
         return None
-    sums = np.stack([by_q[q] for q in sorted(by_q)])  # [questions, (a tokens, a forwards, b tokens, b forwards)]
+    sums = np.stack([by_q[q] for q in sorted(by_q)])  # [questions, (a accepted, a forwards, b accepted, b forwards)]
     picks = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
     totals = sums[picks].sum(axis=1)  # [resamples, 4]
-    diffs = totals[:, 0] / totals[:, 1] - totals[:, 2] / totals[:, 3]
-    low, high = np.quantile(diffs, [0.025, 0.975])
+    # tau counts each forward's own token too: 1 + accepted per forward.
+    return np.stack([1 + totals[:, 0] / totals[:, 1], 1 + totals[:, 2] / totals[:, 3]], axis=1)
+
+
+def paired_tau_ci(ra: dict, rb: dict) -> Optional[tuple[float, float]]:
+    """95% interval of tau(a) - tau(b) (paired_taus)."""
+    import numpy as np
+
+    draws = paired_taus(ra, rb)
+    if draws is None:
+        return None
+    low, high = np.quantile(draws[:, 0] - draws[:, 1], [0.025, 0.975])
+    return float(low), float(high)
+
+
+def paired_ratio_ci(ra: dict, rb: dict) -> Optional[tuple[float, float]]:
+    """95% interval of tau(a) / tau(b) (paired_taus)."""
+    import numpy as np
+
+    draws = paired_taus(ra, rb)
+    if draws is None:
+        return None
+    low, high = np.quantile(draws[:, 0] / draws[:, 1], [0.025, 0.975])
     return float(low), float(high)
 
 
