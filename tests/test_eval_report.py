@@ -115,6 +115,11 @@ def test_the_scaling_table_pairs_heads_by_data_fraction_and_tree(tmp_path):
     assert cells[3][3:] == ["2.00", "1.60", "**1.25**", "400 of 600 / last"]
     assert cells[4][3:6] == ["2.20 (3, 10, 16)", "-", "-"]  # no EAGLE-1 run with a chosen tree
     assert plot.stat().st_size > 1000
+    _write(exp / "eval/eagle3-f0.125" / run, {str(q): [[1, 1], [2]] for q in range(6)})  # per-turn records:
+    _write(exp / "eval/eagle1-f0.125" / run, {str(q): [[1, 0], [q % 2]] for q in range(6)})  # the ratio's CI
+    first = [c.strip() for c in scaling(exp, "mt_bench-n40-T0-m128").splitlines()[2].strip("|").split("|")]
+    low, high = (float(x) for x in first[5].split("(")[1].rstrip(")").split(","))
+    assert first[5].startswith(f"**{1.5 / 1.4:.2f}** (") and 1 < low < high
     _summary(exp / "eval/eagle1/mt_bench-n40-T0-m128-float32-tree10x6x60", 1.7)  # the same point in fp32
     with pytest.raises(ValueError, match="eval/eagle1: two runs named mt_bench-n40-T0-m128"):
         scaling(exp, "mt_bench-n40-T0-m128")

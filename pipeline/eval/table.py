@@ -152,7 +152,7 @@ def scaling_points(experiment_dir: Path, run_prefix: str, kinds=("eagle3", "eagl
         if m["kind"] in points.get(key, {}):
             raise ValueError(f"{experiment_dir}/eval/{head}: two runs named {run_prefix}* with tree {tree} "
                              f"(another dtype?): give a longer run name prefix")
-        points.setdefault(key, {})[m["kind"]] = s
+        points.setdefault(key, {})[m["kind"]] = {**s, "_run_dir": Path(experiment_dir) / "eval" / head / run}
     return dict(sorted(points.items()))
 
 
@@ -162,12 +162,15 @@ def scaling(experiment_dir: Path, run_prefix: str, a: str = "eagle3", b: str = "
     is (train.select=tau: the step of the best decoded tau, of the last step); with `plot`, tau against the fraction
     drawn there (one line per head and tree)."""
     points = scaling_points(experiment_dir, run_prefix, (a, b))
-    rows = [f"| data fraction | tree (depth, top_k, tokens) | questions | tau {a} | tau {b} | {a} / {b} "
+    rows = [f"| data fraction | tree (depth, top_k, tokens) | questions | tau {a} | tau {b} | {a} / {b} (95% CI) "
             f"| checkpoint {a} / {b} |", "|---|---|---|---|---|---|---|"]
     for (fraction, tree), heads in points.items():
         sa, sb = heads.get(a), heads.get(b)
         first = sa or sb
         ratio = f"**{sa['tau'] / sb['tau']:.2f}**" if sa and sb else "-"
+        if sa and sb and answers_file(sa["_run_dir"]) and answers_file(sb["_run_dir"]):
+            ci = paired_ratio_ci(turn_records(sa["_run_dir"]), turn_records(sb["_run_dir"]))
+            ratio += f" ({ci[0]:.2f}, {ci[1]:.2f})" if ci else ""
         suffix = "" if fraction == 1 else f"-f{fraction:g}"
         chosen = " / ".join(_checkpoint_cell(experiment_dir, kind + suffix) for kind in (a, b))
         rows.append(f"| {fraction:g} | {tree} | {first.get('questions_done', '?')}/"
