@@ -85,7 +85,7 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
         ta, tb = tau_of([ra[k] for k in shared]), tau_of([rb[k] for k in shared])
         name, rest = run_a.name.rsplit("-T", 1)
         temp = rest.split("-", 1)[0]  # <set>[-n<limit>]-T<temperature>-m<tokens>-<precision>-tree<k>x<d>x<n>
-        low, high = paired_ratio_ci(ra, rb)
+        low, high = paired_tau_ci(ra, rb, ratio=True)
         rows.append(f"| {name} | {temp} | {len(shared)} | {ta:.2f} | {tb:.2f} | **{ta / tb:.2f}** ({low:.2f}, "
                     f"{high:.2f}) |")
     return "\n".join(rows)
@@ -112,25 +112,16 @@ def paired_taus(ra: dict, rb: dict, resamples: int = 2000, seed: int = 0):
     return np.stack([1 + totals[:, 0] / totals[:, 1], 1 + totals[:, 2] / totals[:, 3]], axis=1)
 
 
-def paired_tau_ci(ra: dict, rb: dict) -> Optional[tuple[float, float]]:
-    """95% interval of tau(a) - tau(b) (paired_taus)."""
+def paired_tau_ci(ra: dict, rb: dict, ratio: bool = False) -> Optional[tuple[float, float]]:
+    """95% interval of tau(a) - tau(b), or of tau(a) / tau(b) with `ratio` (paired_taus); None without a shared
+    question."""
     import numpy as np
 
     draws = paired_taus(ra, rb)
     if draws is None:
         return None
-    low, high = np.quantile(draws[:, 0] - draws[:, 1], [0.025, 0.975])
-    return float(low), float(high)
-
-
-def paired_ratio_ci(ra: dict, rb: dict) -> Optional[tuple[float, float]]:
-    """95% interval of tau(a) / tau(b) (paired_taus)."""
-    import numpy as np
-
-    draws = paired_taus(ra, rb)
-    if draws is None:
-        return None
-    low, high = np.quantile(draws[:, 0] / draws[:, 1], [0.025, 0.975])
+    stat = draws[:, 0] / draws[:, 1] if ratio else draws[:, 0] - draws[:, 1]
+    low, high = np.quantile(stat, [0.025, 0.975])
     return float(low), float(high)
 
 
@@ -169,7 +160,7 @@ def scaling(experiment_dir: Path, run_prefix: str, a: str = "eagle3", b: str = "
         first = sa or sb
         ratio = f"**{sa['tau'] / sb['tau']:.2f}**" if sa and sb else "-"
         if sa and sb and answers_file(sa["_run_dir"]) and answers_file(sb["_run_dir"]):
-            ci = paired_ratio_ci(turn_records(sa["_run_dir"]), turn_records(sb["_run_dir"]))
+            ci = paired_tau_ci(turn_records(sa["_run_dir"]), turn_records(sb["_run_dir"]), ratio=True)
             ratio += f" ({ci[0]:.2f}, {ci[1]:.2f})" if ci else ""
         suffix = "" if fraction == 1 else f"-f{fraction:g}"
         chosen = " / ".join(_checkpoint_cell(experiment_dir, kind + suffix) for kind in (a, b))
@@ -246,12 +237,11 @@ def ablations(experiment_dir: Path, run_prefix: str, prefix: str = "abl-", base:
             if head in taus:
                 raise ValueError(f"{experiment_dir}/eval/{head}: two runs named {run_prefix}* (another dtype or "
                                  f"tree?): give a longer run name prefix")
-            taus[head] = {**s, "_run": run}
+            taus[head] = {**s, "_run_dir": experiment_dir / "eval" / head / run}
     rows = ["| ablation | recipe | train rows | tokens per epoch | steps | val acc_0 | tau | tau - base (95% CI) |",
             "|---|---|---|---|---|---|---|---|"]
     ref = taus.get(prefix + base)
-    runs = {head: experiment_dir / "eval" / head / s["_run"] for head, s in taus.items()}
-    ref_records = turn_records(runs[prefix + base]) if ref and answers_file(runs[prefix + base]) else None
+    ref_records = turn_records(ref["_run_dir"]) if ref and answers_file(ref["_run_dir"]) else None
     for path in sorted((experiment_dir / "train").glob(f"{prefix}*/manifest.json")):
         head = path.parent.name
         m = json.loads(path.read_text())
@@ -259,8 +249,8 @@ def ablations(experiment_dir: Path, run_prefix: str, prefix: str = "abl-", base:
         tokens = f"{c['train_tokens']:,}" if "train_tokens" in c else "-"
         acc = f"{fm['val/acc_0']:.3f}" if "val/acc_0" in fm else "-"
         delta = f"{s['tau'] - ref['tau']:+.2f}" if s and ref else "-"
-        if s and ref_records and head != prefix + base and answers_file(runs[head]):
-            ci = paired_tau_ci(turn_records(runs[head]), ref_records)
+        if s and ref_records and head != prefix + base and answers_file(s["_run_dir"]):
+            ci = paired_tau_ci(turn_records(s["_run_dir"]), ref_records)
             delta += f" ({ci[0]:+.2f}, {ci[1]:+.2f})" if ci else ""
         rows.append(f"| {head[len(prefix):]} | {_recipe(m)} | {c.get('train_rows', '-')} | {tokens} | "
                     f"{c.get('steps', '-')} | {acc} | {_tau_cell(s)} | {delta} |")
