@@ -159,3 +159,29 @@ def tp_mesh(layout: TargetLayout):
         log.info("target layout: %d group(s) of %d tensor-parallel rank(s); rank %d is tp rank %d of group %d",
                  layout.data_world, layout.tp, layout.rank, layout.tp_rank, layout.data_rank)
     return _MESHES[key]
+
+
+def exit_rank() -> None:
+    """Ends a process that ran as one rank of several (rank_info().world_size > 1) once its stage has finished:
+    non-daemon threads joined, the atexit handlers run, output flushed, then os._exit(0), skipping only the
+    interpreter's teardown. A single process returns and exits as usual.
+
+    Why: a DistributedDataParallel module keeps its gloo process group alive past destroy_process_group (torch
+    2.13), so the group's worker threads outlive the stage. A worker that drops a finished collective's last
+    reference to a tensor Python also saw must take the GIL; during the interpreter's teardown that aborts the
+    rank ("terminate called without an active exception", SIGABRT) and torchrun then fails the whole run after
+    every result was written. It is a race: about one two-process training run in 25 on 2 cores
+    (tests/support/gloo_exit.py makes it likely)."""
+    if rank_info().world_size <= 1:
+        return
+    import atexit
+    import sys
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # W&B's, logging's flush: everything a normal exit runs before the teardown
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)

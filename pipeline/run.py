@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import STAGES, EagletConfig
+from pipeline.dist import exit_rank
 from pipeline.files import atomic_write_text, safe_name
 from pipeline.heads import HEADS
 from pipeline.lock import OutputLock
@@ -133,4 +134,5 @@ def is_user_error(e: BaseException) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # an error has exited already (Hydra's or execute's sys.exit)
+    exit_rank()

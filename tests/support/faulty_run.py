@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hydra
 
+from pipeline.dist import exit_rank
 from pipeline.run import execute
 
 EVENT, STEP, SIGNAL = sys.argv.pop(1).split(":")
@@ -29,3 +30,4 @@ def main(dcfg) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()
