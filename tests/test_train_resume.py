@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
 
 import pytest
 
@@ -142,7 +141,7 @@ def test_a_changed_schedule_is_refused_by_default_and_applied_whole_when_asked(d
     # The resumed step's lr and every later one's are the new schedule's own, new lr included (mixed, step 5 would
     # be 3e-3 x the new factor).
     assert [got[s] for s in range(5, 9)] == pytest.approx([new_schedule.lr_at(s - 1) for s in range(5, 9)], rel=1e-12)
-    change = {"step": 4, "from": asdict(old_schedule), "to": asdict(new_schedule)}
+    change = {"step": 4, "from": old_schedule.to_dict(), "to": new_schedule.to_dict()}
     assert TrainManifest.load(train_dir).schedule_changes == [change]
 
     main(as_config(new))  # a rerun of the finished run: its checkpoint records the new schedule and the change

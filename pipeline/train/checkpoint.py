@@ -44,6 +44,7 @@ TRAINER_STATE = "trainer_state.json"
 RECORD = "checkpoints.json"  # in the train folder, beside checkpoints/ (read_record)
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
+BEST, SELECTED = "best", "selected.json"  # train.select=tau: the best head so far, and its {step, tau}
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 

@@ -86,6 +86,10 @@ class TrainConfig:
     # A DeepSpeed JSON (e.g. conf/deepspeed/zero2.json); GPU only. Model code stays single-device either way.
     deepspeed_config: Optional[str] = None
     resume: bool = True  # continue from the last checkpoint in the train dir (false: refuse a non-empty dir)
+    # A carried run (pipeline/train/carry.py: bf16 weights, step, metrics; no optimizer state) to continue where the
+    # train dir has no checkpoint: what a fresh machine has of a run that a committed carry holds.
+    carry_from: Optional[str] = None
+    carry_warmup_steps: int = 20  # after a carry the lr ramps again over N steps: AdamW's moments start anew
     # Check every dump shard's and the resumed checkpoint's sha256 before use (a corrupt file stops the run,
     # naming it). Costs one read of the dump per run (bench/bench_integrity.py); false if you verify otherwise.
     verify_inputs: bool = True

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -22,9 +23,9 @@ import torch
 from torch import nn
 
 from pipeline.decoding.tree import TreeSpec
-from pipeline.files import atomic_dir
+from pipeline.files import atomic_dir, sha256_file
 from pipeline.heads import HeadConfig, head_spec
-from pipeline.heads.io import save_head
+from pipeline.heads.io import load_head_weights, save_head
 
 from . import checkpoint as ckpt
 from .config import OnScheduleChange, Schedule, Select, TrainConfig
@@ -90,14 +91,40 @@ class LrSchedule:
     warmup_steps: int
     min_lr_ratio: float
     total_steps: int
+    # (step, warmup) of every carry the run continued from (carry.py): the optimizer's moments start anew there,
+    # so the lr ramps again from that step over `warmup` steps. History, not settings: a resume keeps them.
+    restarts: tuple = ()
 
     @classmethod
     def of(cls, cfg: TrainConfig, total_steps: int) -> "LrSchedule":
         return cls(float(cfg.lr), str(cfg.schedule), int(cfg.warmup_steps), float(cfg.min_lr_ratio), int(total_steps))
 
+    @classmethod
+    def from_record(cls, recorded: dict) -> "LrSchedule":
+        """From `to_dict`'s record (only the fields this eaglet knows: a later one may record more)."""
+        known = {f.name: recorded[f.name] for f in fields(cls) if f.name in recorded}
+        known["restarts"] = tuple((int(s), int(w)) for s, w in known.get("restarts", ()))
+        return cls(**known)
+
+    def to_dict(self) -> dict:
+        """The record of checkpoints and manifests; `restarts` only when there are any (older records match)."""
+        d = asdict(self)
+        d["restarts"] = [list(r) for r in self.restarts]
+        if not self.restarts:
+            del d["restarts"]
+        return d
+
     def factor(self, step: int) -> float:
         """Multiplier of lr for the update at 0-based `step`: linear warmup from lr/warmup, then cosine or linear
-        decay to min_lr_ratio at the last step, or constant."""
+        decay to min_lr_ratio at the last step, or constant; within `restarts[i][1]` steps of a restart, scaled by
+        the same linear ramp from there."""
+        ramp = 1.0
+        for start, warmup in self.restarts:
+            if warmup > 0 and start <= step < start + warmup:
+                ramp = (step - start + 1) / warmup
+        return ramp * self.base_factor(step)
+
+    def base_factor(self, step: int) -> float:
         if self.warmup_steps > 0 and step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.schedule == Schedule.constant:
@@ -122,18 +149,21 @@ class LrSchedule:
 
 
 def build_scheduler(optimizer, schedule: LrSchedule) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule.factor(s))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
 
 
 def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, schedule: LrSchedule, step: int) -> None:
-    """From 0-based `step` on, the scheduler (built with `schedule`'s factor) follows `schedule` alone: a loaded
-    state's base lr is replaced by schedule.lr, and the optimizer's lr is schedule.lr_at(step) now."""
+    """From 0-based `step` on, the scheduler follows `schedule` alone: its factor, base lr schedule.lr (a loaded
+    state's is replaced), and the optimizer's lr is schedule.lr_at(step) now."""
     groups = scheduler.optimizer.param_groups
+    scheduler.lr_lambdas = [schedule.factor] * len(groups)
     scheduler.base_lrs = [schedule.lr] * len(groups)
     for group in groups:
         group["initial_lr"] = schedule.lr
     scheduler.last_epoch = step - 1
-    scheduler.step()  # sets every group's lr (and get_last_lr) to base lr x factor(step)
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a fresh optimizer's (carry)
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()  # sets every group's lr (and get_last_lr) to base lr x factor(step)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,7 +216,7 @@ class NonFiniteError(RuntimeError):
 
 # What on_nonfinite=skip leaves out, counted in the metrics (train/skipped_*), checkpoints and the manifest.
 SKIP_COUNTS = ("nonfinite_rows", "nonfinite_steps")
-BEST, SELECTED = "best", "selected.json"  # train.select=tau: the best head so far, and its {step, tau}
+BEST, SELECTED = ckpt.BEST, ckpt.SELECTED
 
 
 def nonfinite_rows(batch: Batch) -> list[int]:
@@ -222,10 +252,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, par, objective: nn.Module, reader, train_idx: Sequence[int],
                  val_idx: Sequence[int], lengths: Sequence[int], train_dir: Path, metrics: MetricsLog,
                  tau_probe: Optional[TauProbe] = None, identity: Optional[dict] = None,
-                 hooks: Sequence[TrainerHook] = ()):
+                 hooks: Sequence[TrainerHook] = (), portable_identity: Optional[dict] = None):
         """`identity`: what a checkpoint must have been trained on to be resumed here (dump digest, head...);
-        `hooks`: called at the run's fixed points (TrainerHook)."""
+        `portable_identity`: the same, as another machine would find it (the rows' content, not the manifests'
+        digests), what a carry must have been trained on; `hooks`: called at the run's fixed points (TrainerHook)."""
         self.cfg, self.par, self.reader, self.identity = cfg, par, reader, identity or {}
+        self.portable_identity = portable_identity or self.identity
+        self.carries: list[dict] = []  # {step, carry} of each carry the run continued from; checkpointed
         self.hooks = tuple(hooks)
         self.train_idx, self.val_idx, self.lengths = list(train_idx), list(val_idx), lengths
         self.train_dir, self.metrics, self.tau_probe = Path(train_dir), metrics, tau_probe
@@ -480,7 +513,8 @@ class Trainer:
         cfg = self.cfg
         return {"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch, "total_steps": self.total_steps,
                 "world_size": self.par.world_size, "identity": self.identity, "skipped": dict(self.skipped),
-                "schedule": asdict(self.lr_schedule), "schedule_changes": list(self.schedule_changes),
+                "schedule": self.lr_schedule.to_dict(), "schedule_changes": list(self.schedule_changes),
+                "portable_identity": self.portable_identity, "carries": list(self.carries),
                 # Everything the data order depends on: equal values give the same micro-batches per step.
                 "data_order": {"seed": cfg.seed, "micro_batch_tokens": cfg.micro_batch_tokens,
                                "bucket_size": cfg.bucket_size, "max_length": cfg.max_length,
@@ -493,11 +527,21 @@ class Trainer:
                                announce=lambda event: self.announce(event, step), wait=wait)
 
     def resume(self) -> Optional[Path]:
+        """Continues from the train dir's last checkpoint, else from train.carry_from (continue_carry); returns
+        the checkpoint's path (None: from a carry, or from the start)."""
         path = ckpt.latest_checkpoint(self.train_dir) if self.cfg.resume else None
         if path is None:
+            if self.cfg.carry_from:
+                self.continue_carry(Path(self.cfg.carry_from))
             return None
         state = ckpt.load_checkpoint(path, self.par, self.model, self.optimizer, self.scheduler,
                                      verify=self.cfg.verify_inputs)
+        self._check_continues(path, state, ("identity", "data_order"))
+        self._continue_at(path, state)
+        log.info("resumed from %s (step %d of %d)", path, self.step, self.total_steps)
+        return path
+
+    def _check_continues(self, path: Path, state: dict, keys: Sequence[str]) -> None:
         ours = self.trainer_state()
         theirs_source, our_source = (s["identity"].get("source", "dump") for s in (state, ours))
         if theirs_source != our_source:
@@ -505,19 +549,50 @@ class Trainer:
                 f"{path}: this run started with train.source={theirs_source} and cannot resume with "
                 f"train.source={our_source} (the states would come from elsewhere mid-run); rerun with "
                 f"train.source={theirs_source}, or train into another head.name")
-        for key in ("identity", "data_order"):  # epochs/max_steps may change: their schedule, _resume_schedule
-            if state[key] != ours[key]:
+        for key in keys:  # epochs/max_steps may change: their schedule, _resume_schedule
+            if state.get(key) != ours[key]:
                 raise ResumeRefused(
-                    f"{path}: saved with {key}={state[key]} but this run has {ours[key]}; it cannot continue that "
-                    f"run (same dump, head and data order needed: seed, micro_batch_tokens, bucket_size, "
+                    f"{path}: saved with {key}={state.get(key)} but this run has {ours[key]}; it cannot continue "
+                    f"that run (same dump, head and data order needed: seed, micro_batch_tokens, bucket_size, "
                     f"max_length, grad_accum x processes). Train into a new experiment, or delete "
                     f"{self.train_dir} to start over")
+
+    def continue_carry(self, path: Path) -> None:
+        """Continues a carried run (carry.py) in a train dir with no checkpoint: its bf16 weights, step, skip counts
+        and lr schedule; its metrics and best/ (main rank). AdamW's moments start anew, so the lr ramps again over
+        train.carry_warmup_steps (a restart in the schedule, kept by every later checkpoint)."""
+        from . import carry
+
+        if self.par.deepspeed:
+            raise ResumeRefused(f"train.carry_from={path}: a carry cannot continue under DeepSpeed (its engine holds "
+                                f"the fp32 master weights); resume from the run's checkpoints, or train without "
+                                f"train.deepspeed_config")
+        record = carry.read_carry(path)
+        state = carry.trainer_state(path)
+        # The inputs of a carry are its content (the tokenized rows), not its manifests: those another machine
+        # writes anew, with other times and paths.
+        self._check_continues(path, state, ("portable_identity", "data_order"))
+        if int(state["world_size"]) != self.par.world_size:
+            log.info("carry %s: written by %d processes, continued by %d (same data order)", path,
+                     state["world_size"], self.par.world_size)
+        load_head_weights(self.par.unwrap(self.model).head, path)
+        if self.par.is_main:
+            carry.restore_records(path, self.train_dir)
+        self._continue_at(path, state)
+        warmup = min(self.cfg.carry_warmup_steps, max(0, self.total_steps - self.step))
+        self.lr_schedule = dataclasses.replace(self.lr_schedule,
+                                               restarts=self.lr_schedule.restarts + ((self.step, warmup),))
+        apply_schedule(self.scheduler, self.lr_schedule, self.step)
+        self.carries.append({"step": self.step, "carry": str(path), "carry_sha256": sha256_file(path / carry.CARRY)})
+        log.warning("continued the carried run %s (%s): bf16 weights and fresh AdamW moments, the lr ramped again "
+                    "over %d steps; not the uninterrupted run (carry.py)", path, carry.describe(record), warmup)
+
+    def _continue_at(self, path: Path, state: dict) -> None:
         self.step = int(state["step"])
+        self.carries = list(state.get("carries", []))
         self.skipped.update(state.get("skipped", {}))
         self.schedule_changes = list(state.get("schedule_changes", []))
         self._resume_schedule(path, state.get("schedule"))
-        log.info("resumed from %s (step %d of %d)", path, self.step, self.total_steps)
-        return path
 
     def _resume_schedule(self, path: Path, recorded: Optional[dict]) -> None:
         """The loaded scheduler keeps the checkpoint's base lr while its factor is this run's: equal schedules
@@ -531,8 +606,11 @@ class Trainer:
                 return
             said, lr_before = "the checkpoint records none", "unknown"
         else:
-            # only the fields this eaglet knows: a later one may record more
-            old = LrSchedule(**{f.name: recorded[f.name] for f in dataclasses.fields(LrSchedule) if f.name in recorded})
+            old = LrSchedule.from_record(recorded)
+            # the carries behind the checkpoint are its run's history: this run goes on with them
+            if old.restarts:
+                new = self.lr_schedule = dataclasses.replace(new, restarts=old.restarts)
+                self.scheduler.lr_lambdas = [new.factor] * len(self.scheduler.lr_lambdas)
             if not (changes := new.changes_from(old)):
                 return
             said = ", ".join(f"{key} {was} -> {now}" for key, (was, now) in changes.items())
@@ -544,7 +622,7 @@ class Trainer:
                 f"checkpoint's values, set train.on_schedule_change=apply to follow the new schedule from step "
                 f"{self.step + 1} (recorded in the manifest), or train into another head.name")
         apply_schedule(self.scheduler, new, self.step)
-        self.schedule_changes.append({"step": self.step, "from": recorded, "to": asdict(new)})
+        self.schedule_changes.append({"step": self.step, "from": recorded, "to": new.to_dict()})
         log.warning("step %d: the lr schedule changed (%s), applied (train.on_schedule_change=apply): %s", self.step,
                     said, lr_then)
 
@@ -553,13 +631,14 @@ class Trainer:
         """Trains to total_steps from the last checkpoint (if any). Raises StopForRequeue (SystemExit 75) after
         checkpointing when a stop signal arrives. Returns the last value of every logged metric."""
         cfg = self.cfg
-        last_saved = self.step if self.resume() else None
+        last_saved = self.step if self.resume() else None  # (a carry has no checkpoint here yet)
         self.metrics.open(resume_step=self.step)
-        if last_saved is not None:
+        continued = self.step > 0  # from a checkpoint or a carry
+        if continued:
             self._probe_if_missing()
             if self.cfg.select == Select.tau:
                 self.keep_best()
-        stopped_early = last_saved is not None and self.patience_spent()  # a rerun of a run that stopped early
+        stopped_early = continued and self.patience_spent()  # a rerun of a run that stopped early
         if self.step == 0:  # step-0 reference of the validation curves (no decode: an untrained head's tau is ~1)
             self.metrics.log(0, self.validate())
         with ckpt.StopRequest() as stop, contextlib.closing(self.saver):

@@ -14,6 +14,7 @@ large and seen once or twice. docs/results/speed.md, "Online or offline training
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -57,6 +58,17 @@ class OnlineRows:
         """What the dump stage would read for this experiment, tokenized by the target's template."""
         rows = tokenized_input(cfg, target, "train.source=online")  # the dump's arrays when it ran, else made here
         return cls(target, rows.samples, cfg.dump.layer_ids, rows.inputs)
+
+    def digest(self) -> str:
+        """sha256 of the rows as trained on (ids, tokens and loss masks, in order): the same on every machine that
+        tokenized the same input, whatever its manifests say of times and paths."""
+        h = hashlib.sha256()
+        for s in self.samples:
+            ids, mask = np.ascontiguousarray(s.input_ids, np.int32), np.ascontiguousarray(s.loss_mask, np.uint8)
+            h.update(f"{s.id}\0{len(ids)}\0".encode())
+            h.update(ids.tobytes())
+            h.update(mask.tobytes())
+        return h.hexdigest()
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -102,12 +102,16 @@ def train(cfg, par: Parallel, hooks: Sequence[TrainerHook] = ()) -> dict:
     identity = {**data_identity, "head": head.config.to_dict(), "train_rows": len(train_idx)}
     if par.precision != "float32":  # a resume never switches autocast (fp32 adds nothing: older runs resume)
         identity["precision"] = par.precision
+    portable = dict(identity)  # what a carry (carry.py) from another machine must have trained on
+    if online:  # the regen manifests another machine restores differ in times and paths: the rows' content counts
+        del portable["inputs"]
+        portable["rows_sha256"] = reader.digest()
     wandb_config = {"train": to_plain(tcfg), "head": to_plain(hcfg), "head_config": head.config.to_dict(),
                     "target": target.fingerprint, "experiment": cfg.name, "world_size": par.world_size}
     metrics = MetricsLog(train_dir, enabled=par.is_main, wandb_cfg=cfg.wandb, wandb_config=wandb_config,
                          run_name=f"{cfg.name}-{hcfg.name}")
     trainer = Trainer(tcfg, par, objective, reader, train_idx, val_idx, lengths, train_dir, metrics, tau_probe,
-                      identity, hooks)
+                      identity, hooks, portable_identity=portable)
     log.info("training %s (%s): %d steps (epochs of %s steps; %d micro-batches x %d processes each), %s on %s",
              hcfg.name, hcfg.kind, trainer.total_steps, trainer.epoch_steps, tcfg.grad_accum, par.world_size,
              par.mixed_precision, par.device)
@@ -224,6 +228,6 @@ def finish(cfg, trainer: Trainer, head, train_dir: Path, inputs: list, target, v
         thinking=cfg.regen.thinking,  # the template mode of its rows: eval renders with it
         final_metrics=final_metrics, head_files=file_digests(final_dir), selected=selected,
         machine=machine_description(trainer.par.device),
-        schedule_changes=trainer.schedule_changes)
+        schedule_changes=trainer.schedule_changes, carries=trainer.carries)
     log.info("train done: %s (final %s)", train_dir, {k: round(v, 4) for k, v in final_metrics.items()
                                                      if k in ("val/loss", "val/sim_tau", "eval/tau")})

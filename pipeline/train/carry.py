@@ -1,0 +1,154 @@
+"""A carried run: a train run's progress, small enough to commit, from which a fresh machine continues it.
+
+    <carry dir>/carry.json           step, total steps, what was left behind, every file's size and sha256
+    <carry dir>/model.safetensors    the head's trained weights in bf16 (d2t/t2d as they are) + head_config.json
+    <carry dir>/trainer_state.json   the checkpoint's: step, data position, lr schedule, what it trained on
+    <carry dir>/metrics.jsonl.gz     the run's metrics up to the step: its curves and the tau probes
+    <carry dir>/best/                train.select=tau: the best-tau head so far, when it is not the step's own
+
+`python -m pipeline.train.carry save <train dir> <carry dir>` writes one from the train folder's last checkpoint;
+`train.carry_from=<carry dir>` continues it where the train folder has no checkpoint of its own (a fresh machine);
+`python -m pipeline.train.carry check [--complete] <carry dir>` checks its files and says where it stands.
+
+Left behind: AdamW's moments (twice the weights in fp32: 80 MB for a 10M-parameter head, against ~20 MB carried),
+the fp32 master weights and the RNG states (pickles; the data order and EAGLE-1's noise are seeded per step and
+need none). So a carried run is not the uninterrupted run: it goes on from bf16-rounded weights with fresh moments
+and the lr ramped again over train.carry_warmup_steps, and its manifest records every carry (`carries`). Where the
+checkpoints stay (the same machine, a cluster file system), resume from them instead: that is exact.
+
+A carry of a finished run (step = total steps) gives back its final/ on a fresh machine without training; in bf16,
+the precision the eval stage runs a head in, it is the same head."""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pipeline.files import atomic_dir
+from pipeline.heads.io import HEAD_CONFIG, HEAD_WEIGHTS
+from pipeline.manifest import MANIFEST, ManifestError, check_files, file_digests
+
+from .checkpoint import BEST, SELECTED, TRAINER_STATE, latest_checkpoint
+from .metrics import read_metrics
+
+CARRY = "carry.json"
+CARRY_FORMAT = 1
+METRICS_GZ = "metrics.jsonl.gz"
+LEFT_BEHIND = ["optimizer moments", "fp32 weights", "rng states"]
+
+
+class CarryError(ManifestError):
+    """A carry that is missing, damaged or not this run's (a pipeline error: one line at the command line)."""
+
+
+def _bf16_head(src: Path, dest: Path) -> None:
+    """The head of `src` (model.safetensors + head_config.json) with its floating tensors in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(src / HEAD_WEIGHTS))
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(dest / HEAD_WEIGHTS), metadata={"format": "pt"})
+    shutil.copyfile(src / HEAD_CONFIG, dest / HEAD_CONFIG)
+
+
+def save_carry(train_dir: Path, dest: Path) -> dict:
+    """Writes the carry of `train_dir`'s last checkpoint to `dest` (replaced whole); returns its carry.json."""
+    train_dir, dest = Path(train_dir), Path(dest)
+    checkpoint = latest_checkpoint(train_dir)
+    if checkpoint is None:
+        raise CarryError(f"{train_dir}: no checkpoint to carry (a run writes one every train.save_every steps, on a "
+                         f"stop request and at the end)")
+    state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    step = int(state["step"])
+    with atomic_dir(dest) as tmp:
+        _bf16_head(checkpoint, tmp)
+        shutil.copyfile(checkpoint / TRAINER_STATE, tmp / TRAINER_STATE)
+        records = [r for r in read_metrics(train_dir / "metrics.jsonl") if r["step"] <= step]
+        # mtime 0 and no name: the same run carries the same bytes (a commit that changes nothing is empty)
+        with open(tmp / METRICS_GZ, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records).encode())
+        best = None
+        if (train_dir / BEST / SELECTED).exists():
+            best = json.loads((train_dir / BEST / SELECTED).read_text())
+            if best["step"] != step:  # else the step's own head is the best: carried once
+                _bf16_head(train_dir / BEST, tmp / BEST)
+                shutil.copyfile(train_dir / BEST / SELECTED, tmp / BEST / SELECTED)
+        manifest = train_dir / MANIFEST  # written after the last checkpoint: the run is complete at this step
+        complete = manifest.is_file() and json.loads(manifest.read_text())["counts"]["steps"] == step
+        record = {"format": CARRY_FORMAT, "step": step, "total_steps": int(state["total_steps"]),
+                  "complete": complete, "checkpoint": checkpoint.name, "weights_dtype": "bfloat16", "best": best,
+                  "left_behind": LEFT_BEHIND, "files": file_digests(tmp)}
+        (tmp / CARRY).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def read_carry(path: Path) -> dict:
+    """carry.json of `path` after checking every file against it; refuses a missing or damaged carry."""
+    path = Path(path)
+    if not (path / CARRY).is_file():
+        raise CarryError(f"train.carry_from={path}: no {CARRY} there (write one with `python -m pipeline.train.carry "
+                         f"save <train dir> {path}`)")
+    record = json.loads((path / CARRY).read_text())
+    if record.get("format") != CARRY_FORMAT:
+        raise CarryError(f"{path / CARRY}: carry format {record.get('format')}, this eaglet reads {CARRY_FORMAT}")
+    try:
+        check_files(path, record["files"], "carry", "the carry is damaged: check it out again from git, or train anew")
+    except ManifestError as e:
+        raise CarryError(str(e)) from None
+    return record
+
+
+def trainer_state(path: Path) -> dict:
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+def restore_records(path: Path, train_dir: Path) -> None:
+    """The carry's metrics and best/ into a train folder that has no run of its own (main rank)."""
+    path, train_dir = Path(path), Path(train_dir)
+    with gzip.open(path / METRICS_GZ, "rt") as f:
+        (train_dir / "metrics.jsonl").write_text(f.read())
+    if (path / BEST).is_dir():
+        with atomic_dir(train_dir / BEST) as tmp:
+            for name in (HEAD_WEIGHTS, HEAD_CONFIG, SELECTED):
+                shutil.copyfile(path / BEST / name, tmp / name)
+
+
+def describe(record: dict) -> str:
+    best = record.get("best")
+    return (f"step {record['step']} of {record['total_steps']}" + (", complete" if record["complete"] else "") +
+            (f", best tau {best['tau']:.3f} at step {best['step']}" if best else ""))
+
+
+def main(argv: Optional[list] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m pipeline.train.carry", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("save", help="carry a train folder's last checkpoint")
+    s.add_argument("train_dir", type=Path)
+    s.add_argument("dest", type=Path)
+    c = sub.add_parser("check", help="check a carry's files and say where it stands")
+    c.add_argument("path", type=Path)
+    c.add_argument("--complete", action="store_true", help="exit 1 unless it is of a complete run")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "save":
+            record = save_carry(args.train_dir, args.dest)
+            size = sum(f["bytes"] for f in record["files"].values())
+            print(f"{args.dest}: {describe(record)}, {size / 1e6:.1f} MB")
+        else:
+            record = read_carry(args.path)
+            print(f"{args.path}: {describe(record)}")
+            if args.complete and not record["complete"]:
+                sys.exit(1)
+    except ManifestError as e:
+        sys.exit(f"carry: {e}")
+
+
+if __name__ == "__main__":
+    main()

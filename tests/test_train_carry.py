@@ -1,0 +1,177 @@
+"""Carried runs (pipeline/train/carry.py): a run stopped on one machine continues on another that has none of its
+checkpoints, from a small committed carry (bf16 weights, step, metrics, best/; no optimizer state).
+
+What must hold: the continued run trains the remaining steps on the same data order from the carried weights (its
+first loss matches the checkpoint-resumed run's to bf16 rounding, far from an untrained head's), the lr ramps again
+from the carry, the manifest and later checkpoints record the carry, a finished run's carry gives back the same head
+in bf16 without training, and a carry of another run or a damaged one is refused in one line."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.hidden_states.plan import TokenizedSample
+from pipeline.manifest import TrainManifest
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.carry import CarryError, read_carry, save_carry
+from pipeline.train.loop import LrSchedule, ResumeRefused, StopForRequeue
+from pipeline.train.metrics import read_metrics
+from pipeline.train.online import OnlineRows
+from pipeline.train.run import main
+from test_train import EXPERIMENT, REPO, as_config, build_tiny_dump, overrides, train_losses
+
+STEPS, STOP, WARMUP = 14, 6, 3  # 2 epochs of 7 steps; stopped after step 6 (off the save_every=4 schedule)
+
+
+@pytest.fixture(scope="module")
+def dump_root(tmp_path_factory, tiny_model_dir, shared_data):
+    return build_tiny_dump(tmp_path_factory.mktemp("carry"), tiny_model_dir, shared_data)
+
+
+def stop_at(step: int):
+    """A trainer hook: a stop request (SIGTERM) during `step`, as a session's end sends one."""
+    def hook(event: str, at: int) -> None:
+        if event == "step_done" and at == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return hook
+
+
+def carry_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.train.carry", *args], capture_output=True, text=True,
+                          cwd=REPO)
+
+
+def lrs(train_dir) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_metrics(train_dir / "metrics.jsonl") if "lr" in r}
+
+
+@pytest.fixture(scope="module")
+def stopped(dump_root, tiny_model_dir, tmp_path_factory):
+    """Run "first" stopped after step 6 (checkpoint step-6, tau probe at 4 so best/ is step 4's head), its carry,
+    and the same run resumed from its own checkpoint (the reference)."""
+    d = overrides(dump_root, tiny_model_dir, "eagle3", "first", select="tau", carry_warmup_steps=WARMUP)
+    with pytest.raises(StopForRequeue):
+        main(as_config(d), hooks=(stop_at(STOP),))
+    train_dir = dump_root / EXPERIMENT / "train" / "first"
+    carry_dir = tmp_path_factory.mktemp("committed") / "first"
+    record = save_carry(train_dir, carry_dir)
+    weights = load_file(str(ckpt.latest_checkpoint(train_dir) / "model.safetensors"))
+    main(as_config(d))  # the same machine: resumed from step-6 exactly
+    return SimpleNamespace(overrides=d, train_dir=train_dir, carry=carry_dir, record=record, weights=weights)
+
+
+def test_a_carry_holds_bf16_weights_metrics_and_best_and_no_optimizer(stopped):
+    record = stopped.record
+    assert record["step"] == STOP and record["total_steps"] == STEPS and record["best"]["step"] == 4
+    assert not record["complete"]
+    assert sorted(record["files"]) == ["best/head_config.json", "best/model.safetensors", "best/selected.json",
+                                       "head_config.json", "metrics.jsonl.gz",
+                                       "model.safetensors", "trainer_state.json"]
+    assert not any(name.endswith(".pt") for name in os.listdir(stopped.carry))  # no pickles: no optimizer, no RNG
+    weights = load_file(str(stopped.carry / "model.safetensors"))
+    checkpoint = stopped.weights  # step-6's, fp32
+    assert weights.keys() == checkpoint.keys()
+    for name, t in weights.items():
+        if checkpoint[name].is_floating_point():
+            assert t.dtype == torch.bfloat16 and torch.equal(t, checkpoint[name].to(torch.bfloat16)), name
+        else:  # d2t / t2d
+            assert torch.equal(t, checkpoint[name]), name
+    assert read_carry(stopped.carry)["step"] == STOP
+    # a carry of the same state is the same bytes: committing it again changes nothing
+    assert save_carry(stopped.train_dir, stopped.carry.parent / "again")["files"] == \
+        save_carry(stopped.train_dir, stopped.carry.parent / "again2")["files"]
+
+
+def test_a_fresh_machine_continues_a_carry(dump_root, tiny_model_dir, stopped):
+    d = {**overrides(dump_root, tiny_model_dir, "eagle3", "carried", select="tau", carry_warmup_steps=WARMUP),
+         "train.carry_from": str(stopped.carry)}
+    main(as_config(d))
+    train_dir = dump_root / EXPERIMENT / "train" / "carried"
+    losses, reference = train_losses(train_dir), train_losses(stopped.train_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(losses[s] == reference[s] for s in range(1, STOP + 1))  # the carried curve
+    # Step 7's loss is computed from the carried weights before any update: the exact resume's within bf16
+    # rounding, while an untrained head is far off (step 1's loss).
+    assert losses[STOP + 1] == pytest.approx(reference[STOP + 1], rel=0.02)
+    assert abs(reference[1] - reference[STOP + 1]) > 10 * abs(losses[STOP + 1] - reference[STOP + 1])
+
+    # The lr ramps again over WARMUP steps from the carry, then follows the run's schedule.
+    state = json.loads((ckpt.latest_checkpoint(train_dir) / ckpt.TRAINER_STATE).read_text())
+    schedule = LrSchedule.from_record(state["schedule"])
+    assert schedule.restarts == ((STOP, WARMUP),)
+    base, got = LrSchedule(3e-3, "cosine", 2, 0.0, STEPS), lrs(train_dir)
+    for s in range(STOP + 1, STEPS + 1):
+        ramp = min(1.0, (s - STOP) / WARMUP)
+        assert got[s] == pytest.approx(ramp * base.lr_at(s - 1), rel=1e-12), s
+    assert got[STOP + 1] == pytest.approx(lrs(stopped.train_dir)[STOP + 1] / WARMUP, rel=1e-12)
+
+    manifest = TrainManifest.load(train_dir)
+    assert [c["step"] for c in manifest.carries] == [STOP] and manifest.counts["steps"] == STEPS
+    assert TrainManifest.load(stopped.train_dir).carries == []
+    assert manifest.selected["step"] in (4, 8, 12, 14)  # the probes, step 4's from the carry
+
+    # A rerun on this machine resumes from its own checkpoint: the restart is the run's history, not a change.
+    main(as_config(d))
+    assert TrainManifest.load(train_dir).carries == manifest.carries
+
+
+def test_a_finished_runs_carry_gives_back_its_head_without_training(dump_root, tiny_model_dir, stopped):
+    finished = stopped.carry.parent / "finished"
+    assert save_carry(stopped.train_dir, finished)["complete"]
+    assert carry_cli("check", "--complete", str(finished)).returncode == 0
+    assert carry_cli("check", "--complete", str(stopped.carry)).returncode == 1
+    d = {**overrides(dump_root, tiny_model_dir, "eagle3", "rebuilt", select="tau"), "train.carry_from": str(finished)}
+    main(as_config(d))
+    train_dir = dump_root / EXPERIMENT / "train" / "rebuilt"
+    assert train_losses(train_dir) == train_losses(stopped.train_dir)  # nothing trained, the curves carried
+    ours, theirs = (load_file(str(t / "final" / "model.safetensors")) for t in (train_dir, stopped.train_dir))
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        as_evaluated = torch.bfloat16 if t.is_floating_point() else t.dtype  # eval runs the head in bf16
+        assert torch.equal(ours[name].to(as_evaluated), t.to(as_evaluated)), name
+    assert TrainManifest.load(train_dir).selected["step"] == TrainManifest.load(stopped.train_dir).selected["step"]
+
+
+def test_a_carry_of_another_run_or_a_damaged_one_is_refused(dump_root, tiny_model_dir, stopped, tmp_path):
+    other = {**overrides(dump_root, tiny_model_dir, "eagle3", "other", train_fraction=0.5),  # other rows
+             "train.carry_from": str(stopped.carry)}
+    with pytest.raises(ResumeRefused, match="portable_identity=.*'train_rows': 35"):
+        main(as_config(other))
+    reordered = {**overrides(dump_root, tiny_model_dir, "eagle3", "reordered", seed=1),
+                 "train.carry_from": str(stopped.carry)}
+    with pytest.raises(ResumeRefused):
+        main(as_config(reordered))
+
+    damaged = tmp_path / "damaged"
+    save_carry(stopped.train_dir, damaged)
+    weights = damaged / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CarryError, match=r"model\.safetensors: sha256 .* \(corrupt\)"):
+        read_carry(damaged)
+    out = carry_cli("check", str(damaged))  # one line, naming the carry, the file and the reason
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "(corrupt)" in out.stderr, out.stderr
+    with pytest.raises(CarryError, match="no carry.json"):
+        read_carry(tmp_path / "nothing")
+
+
+def test_the_online_rows_digest_is_their_content():
+    """The carry's stand-in for the regen manifest's digest (which another machine's restore rewrites)."""
+    target = SimpleNamespace(num_layers=30)
+    rows = [TokenizedSample(f"r{i}", np.arange(5 + i, dtype=np.int32), np.ones(5 + i, dtype=np.uint8))
+            for i in range(3)]
+    digest = OnlineRows(target, rows, None).digest()
+    assert OnlineRows(target, [TokenizedSample(r.id, r.input_ids.copy(), r.loss_mask.copy()) for r in rows],
+                      None).digest() == digest
+    masked = [*rows[:2], TokenizedSample("r2", rows[2].input_ids, np.zeros(7, dtype=np.uint8))]
+    assert OnlineRows(target, masked, None).digest() != digest
