@@ -38,7 +38,6 @@ run() {
   local left=$(( BUDGET_S - SECONDS )) status=0
   if (( left < 120 )); then
     echo "quality_v2 $STEP: step time spent (STEP_MINUTES=${STEP_MINUTES:-100}); commit $RESULTS and rerun" >&2
-    carry_row || true
     exit 124
   fi
   # --foreground: python stays in this script's process group, so Ctrl-C or a kill of the group reaches it.
@@ -49,7 +48,6 @@ run() {
     137) echo "quality_v2 $STEP: killed 10 minutes after the stop request: $*" >&2 ;;
   esac
   keep || true
-  carry_row || true
   exit $status
 }
 OUT=outputs/smollm2_quality_v2
@@ -65,6 +63,7 @@ carry_row() {
     python -m pipeline.train.carry save "$OUT/train/$ROW_HEAD" "$RESULTS/carry/$ROW_HEAD"
   fi
 }
+trap 'carry_row || true' EXIT  # however the step ends inside a row
 kept() { python -m pipeline.results has "$RESULTS" stage=eval "$@" "${EXP[@]}"; }
 # row "<head overrides>" "<train overrides>" "<eval overrides>"...: train the head unless the store holds every one
 # of its evals, then run the evals it lacks. A head trained anew (this machine has no final/ of it: a fresh one)
@@ -73,15 +72,16 @@ kept() { python -m pipeline.results has "$RESULTS" stage=eval "$@" "${EXP[@]}"; 
 row() {
   local head=$1 train=$2 todo=() e name
   shift 2
+  name=$(sed -n 's/.*head\.name=\([^ ]*\).*/\1/p; t; s/.*head=\([^ ]*\).*/\1/p' <<<"$head")
+  local carried=$RESULTS/carry/$name from=()
   for e in "$@"; do
     # shellcheck disable=SC2086  # word lists
     kept $head $e || todo+=("$e")
   done
-  if (( ${#todo[@]} == 0 )); then return; fi
-  name=$(sed -n 's/.*head\.name=\([^ ]*\).*/\1/p; t; s/.*head=\([^ ]*\).*/\1/p' <<<"$head")
-  local carried=$RESULTS/carry/$name from=()
+  if (( ${#todo[@]} == 0 )); then rm -rf "$carried"; return; fi
   if [[ -f $carried/carry.json ]]; then from=("train.carry_from=$carried"); fi
-  # (the carry of a complete run gives back the head the kept evals measured, in bf16 as eval runs it)
+  # (the carry of a complete run gives back the head the kept evals measured, in bf16 as eval runs it; its train
+  # manifest names the run it was carried from, so the model card counts those evals)
   if [[ ! -d $OUT/train/$name/final ]] && ! python -m pipeline.train.carry check --complete "$carried" \
       >/dev/null 2>&1; then
     todo=("$@")

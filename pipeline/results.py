@@ -83,8 +83,11 @@ def model_card(head_dir: Path, store: Path) -> str:
                   f"- final weights: {chosen}",
                   f"- trained on {train.get('machine', 'an unrecorded machine')} in {train.get('precision', '?')}",
                   ""]
+    # A head rebuilt on a fresh machine from its complete run's carry (pipeline/train/carry.py) is that head: the
+    # evals of the run it was carried from count too.
+    same = {exported} | {c.get("train_manifest_sha256") for c in (train or {}).get("carries", []) if c.get("complete")}
     evals = [(h, r, s) for h, r, s in eval_summaries(store) if h == head["name"] and (
-        not exported or s.get("head_manifest_sha256", exported) == exported)]
+        not exported or s.get("head_manifest_sha256", exported) in same)]
     lines += ["## Quality", ""]
     if evals:
         lines += ["eaglet's tree speculative decoder on the target (`stage=eval`); tau is the mean tokens emitted per "

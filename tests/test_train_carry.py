@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.files import sha256_file
 from pipeline.hidden_states.plan import TokenizedSample
 from pipeline.manifest import TrainManifest
 from pipeline.train import checkpoint as ckpt
@@ -139,6 +140,11 @@ def test_a_finished_runs_carry_gives_back_its_head_without_training(dump_root, t
         as_evaluated = torch.bfloat16 if t.is_floating_point() else t.dtype  # eval runs the head in bf16
         assert torch.equal(ours[name].to(as_evaluated), t.to(as_evaluated)), name
     assert TrainManifest.load(train_dir).selected["step"] == TrainManifest.load(stopped.train_dir).selected["step"]
+    # no restart (nothing trains), and the manifest names the run it was carried from: its evals count for this head
+    [carried] = TrainManifest.load(train_dir).carries
+    assert carried["complete"] and carried["train_manifest_sha256"] == sha256_file(stopped.train_dir / "manifest.json")
+    state = json.loads((ckpt.latest_checkpoint(train_dir) / ckpt.TRAINER_STATE).read_text())
+    assert LrSchedule.from_record(state["schedule"]).restarts == ()
 
 
 def test_a_carry_of_another_run_or_a_damaged_one_is_refused(dump_root, tiny_model_dir, stopped, tmp_path):

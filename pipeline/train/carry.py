@@ -30,11 +30,11 @@ from typing import Optional
 
 import torch
 
-from pipeline.files import atomic_dir
+from pipeline.files import atomic_dir, sha256_file
 from pipeline.heads.io import HEAD_CONFIG, HEAD_WEIGHTS
-from pipeline.manifest import MANIFEST, ManifestError, check_files, file_digests
+from pipeline.manifest import MANIFEST, ManifestError, check_files, file_digests, file_problem
 
-from .checkpoint import BEST, SELECTED, TRAINER_STATE, latest_checkpoint
+from .checkpoint import BEST, SELECTED, TRAINER_STATE, latest_checkpoint, read_record
 from .metrics import read_metrics
 
 CARRY = "carry.json"
@@ -65,7 +65,17 @@ def save_carry(train_dir: Path, dest: Path) -> dict:
     if checkpoint is None:
         raise CarryError(f"{train_dir}: no checkpoint to carry (a run writes one every train.save_every steps, on a "
                          f"stop request and at the end)")
+    # the files carried, against the record the run wrote beside its checkpoints: a damaged one is not carried on
+    recorded = read_record(train_dir).get(checkpoint.name, {})
+    problems = [f"{name}: {problem}" for name, r in recorded.items() if name in (HEAD_WEIGHTS, TRAINER_STATE)
+                and (problem := file_problem(checkpoint / name, r["bytes"], r["sha256"]))]
+    if problems:
+        raise CarryError(f"checkpoint {checkpoint}: {'; '.join(problems)}; carry an earlier checkpoint (delete this "
+                         f"one) or train on from it here")
     state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    if "portable_identity" not in state:
+        raise CarryError(f"checkpoint {checkpoint} was written by an eaglet older than carries (no "
+                         f"portable_identity): continue it here, from its checkpoint, then carry a later one")
     step = int(state["step"])
     with atomic_dir(dest) as tmp:
         _bf16_head(checkpoint, tmp)
@@ -83,7 +93,10 @@ def save_carry(train_dir: Path, dest: Path) -> dict:
         manifest = train_dir / MANIFEST  # written after the last checkpoint: the run is complete at this step
         complete = manifest.is_file() and json.loads(manifest.read_text())["counts"]["steps"] == step
         record = {"format": CARRY_FORMAT, "step": step, "total_steps": int(state["total_steps"]),
-                  "complete": complete, "checkpoint": checkpoint.name, "weights_dtype": "bfloat16", "best": best,
+                  "complete": complete,
+                  # the complete run's manifest: evals of its head count for the head a fresh machine rebuilds
+                  "train_manifest_sha256": sha256_file(manifest) if complete else None,
+                  "checkpoint": checkpoint.name, "weights_dtype": "bfloat16", "best": best,
                   "left_behind": LEFT_BEHIND, "files": file_digests(tmp)}
         (tmp / CARRY).write_text(json.dumps(record, indent=2) + "\n")
     return record

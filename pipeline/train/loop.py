@@ -575,15 +575,19 @@ class Trainer:
         if int(state["world_size"]) != self.par.world_size:
             log.info("carry %s: written by %d processes, continued by %d (same data order)", path,
                      state["world_size"], self.par.world_size)
+        self._continue_at(path, state)  # (refuses a changed schedule: before anything is written here)
         load_head_weights(self.par.unwrap(self.model).head, path)
         if self.par.is_main:
             carry.restore_records(path, self.train_dir)
-        self._continue_at(path, state)
-        warmup = min(self.cfg.carry_warmup_steps, max(0, self.total_steps - self.step))
-        self.lr_schedule = dataclasses.replace(self.lr_schedule,
-                                               restarts=self.lr_schedule.restarts + ((self.step, warmup),))
-        apply_schedule(self.scheduler, self.lr_schedule, self.step)
-        self.carries.append({"step": self.step, "carry": str(path), "carry_sha256": sha256_file(path / carry.CARRY)})
+        warmup = 0
+        if not record["complete"]:  # a complete run's carry only gives back its head
+            warmup = min(self.cfg.carry_warmup_steps, max(0, self.total_steps - self.step))
+            self.lr_schedule = dataclasses.replace(self.lr_schedule,
+                                                   restarts=self.lr_schedule.restarts + ((self.step, warmup),))
+            apply_schedule(self.scheduler, self.lr_schedule, self.step)
+        self.carries.append({"step": self.step, "carry": str(path), "carry_sha256": sha256_file(path / carry.CARRY),
+                             "complete": record["complete"],
+                             "train_manifest_sha256": record.get("train_manifest_sha256")})
         log.warning("continued the carried run %s (%s): bf16 weights and fresh AdamW moments, the lr ramped again "
                     "over %d steps; not the uninterrupted run (carry.py)", path, carry.describe(record), warmup)
 

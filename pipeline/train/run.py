@@ -32,7 +32,7 @@ from pipeline.heads.config import LmHeadInit
 from pipeline.heads.io import FINAL, HEAD_CONFIG, HEAD_WEIGHTS, save_head
 from pipeline.heads.vocab import build_draft_vocab
 from pipeline.hidden_states.reader import REPAIR, DumpReader, verify_shards
-from pipeline.manifest import MANIFEST, ManifestError, file_digests, to_plain, write_manifest
+from pipeline.manifest import FINGERPRINT_KEYS, MANIFEST, ManifestError, file_digests, to_plain, write_manifest
 from pipeline.precision import dtype_name, machine_description
 from pipeline.target import head_target, load_target, load_target_parts
 
@@ -102,9 +102,14 @@ def train(cfg, par: Parallel, hooks: Sequence[TrainerHook] = ()) -> dict:
     identity = {**data_identity, "head": head.config.to_dict(), "train_rows": len(train_idx)}
     if par.precision != "float32":  # a resume never switches autocast (fp32 adds nothing: older runs resume)
         identity["precision"] = par.precision
-    portable = dict(identity)  # what a carry (carry.py) from another machine must have trained on
-    if online:  # the regen manifests another machine restores differ in times and paths: the rows' content counts
-        del portable["inputs"]
+    # What a carry (carry.py) from another machine must have trained on: the same target (its fingerprint without
+    # the machine's path), head and recipe, and rows. Not the precision, which each machine measures (a carried
+    # run is not the uninterrupted one anyway). A dump is held to its manifest (a copy of it); online, the rows'
+    # content, since the regen manifests another machine restores differ in times and paths.
+    portable = {k: v for k, v in identity.items() if k not in ("precision", "target_precision", "inputs")}
+    portable["target"] = {k: target.fingerprint.get(k) for k in FINGERPRINT_KEYS}
+    portable["recipe"] = {k: v for k, v in to_plain(hcfg).items() if k != "name"}
+    if online:
         portable["rows_sha256"] = reader.digest()
     wandb_config = {"train": to_plain(tcfg), "head": to_plain(hcfg), "head_config": head.config.to_dict(),
                     "target": target.fingerprint, "experiment": cfg.name, "world_size": par.world_size}
