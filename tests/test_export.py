@@ -401,7 +401,9 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
                    counts={"train_rows": 2523, "val_rows": 133, "train_tokens": 2_160_000, "steps": 1728,
                            "world_size": 1, "draft_vocab_size": 200, "coverage": 0.9991},
                    timings={"total_s": 5400}, target=load_target(cfg.target).fingerprint, precision="bfloat16",
-                   selected={"step": 1400, "tau": 2.31, "last_step": 1728}, machine="NVIDIA H200")
+                   selected={"step": 1400, "tau": 2.31, "last_step": 1728}, machine="NVIDIA H200",
+                   # rebuilt on this machine from the complete carry of a run trained elsewhere (train/carry.py)
+                   carries=[{"step": 1728, "complete": True, "train_manifest_sha256": "1" * 64}])
     out = main(cfg)
     head_dir = tmp_path / "heads" / "tiny-eagle3"  # what a campaign commits: the export's files and manifest
     head_dir.mkdir(parents=True)
@@ -418,7 +420,11 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
     for run, s in {"mt_bench-n80-T0-m256-bfloat16-tree10x6x60": summary,
                    # an eval of another train run of the same name (trained again since): not this head's
                    "mt_bench-n40-T0-m128-bfloat16-tree10x6x60": {**summary, "tau": 9.0,
-                                                                  "head_manifest_sha256": "0" * 64}}.items():
+                                                                  "head_manifest_sha256": "0" * 64},
+                   # an eval of the run the head was carried from: this head (the same weights in bf16)
+                   "mt_bench-n20-T1-m256-bfloat16-tree10x6x60": {**summary, "tau": 2.2, "questions": 20,
+                                                                  "questions_done": 20,
+                                                                  "head_manifest_sha256": "1" * 64}}.items():
         (store / "eval" / "eagle3" / run).mkdir(parents=True)
         (store / "eval" / "eagle3" / run / "summary.json").write_text(json.dumps(s))
 
@@ -430,7 +436,7 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
     assert "step 1400 of 1728, the best decoded tau (2.31) of the probes on 8 validation prompts" in card
     assert "trained on NVIDIA H200 in bfloat16" in card
     assert "| eagle3 | mt_bench-n80 | 0 | 80/80 | 160 | **2.40** |" in card and "1.67x (20 turns)" in card
-    assert "**9.00**" not in card and "2 threads" in card
+    assert "**9.00**" not in card and "**2.20**" in card and "2 threads" in card
     assert f"--speculative-draft-model-path {head_dir} --speculative-num-steps 6" in card  # served from its folder
 
     manifest = store / "train" / "eagle3" / "manifest.json"  # the store's run is not the exported one
