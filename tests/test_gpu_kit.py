@@ -31,8 +31,9 @@ def test_gpu_kit_dry_run_passes(tmp_path):
     # Campaign mode on call 2's regen output: both heads trained online there, sent back, unpacked, and the
     # EAGLE-3 run evaluated on CPU from outputs/ as the experiment's own evals would.
     cplan = json.loads((tmp_path / "kit" / "plan.json").read_text())
-    assert [c["command"] for c in cplan["calls"].values()] == [
+    assert [c["command"] for c in cplan["calls"].values() if c["call"]] == [
         f"bash tools/gpu/device.sh {n} --campaign gpu_kit" for n in (1, 2, 3)]
+    assert all(c["bytes"] <= 64 << 20 for c in cplan["calls"].values())
     assert sum(c["timeout_s"] for c in cplan["calls"].values()) <= 15 * 60 - 120
     r2c = json.loads((tmp_path / "out2c" / "results2.json").read_text())
     assert {p: r["status"] for p, r in r2c["phases"].items()} == dict.fromkeys(
@@ -88,8 +89,36 @@ def test_parts_join_back_checked(tmp_path):
     with pytest.raises(ValueError, match="sha256"):
         kitfiles.join_parts(tmp_path / "a", tmp_path / "b", tmp_path / "out")
     part.unlink()
-    with pytest.raises(FileNotFoundError, match=r"model.gguf.part2.*run both calls again"):
+    with pytest.raises(FileNotFoundError, match=r"model.gguf.part2.*run all the calls again"):
         kitfiles.join_parts(tmp_path / "a", tmp_path / "b", tmp_path / "out")
+
+
+def test_a_large_working_tree_cuts_the_gguf_in_more_parts_carried_by_stash_calls(tmp_path):
+    """Every call sends the working tree: committed heads or carries leave calls 1 and 2 too little room for
+    GGUF halves, so the GGUF goes in more parts, the extra ones in stash calls (device.sh 0) that run first;
+    every call fits, and the parts of all calls join back."""
+    from tools.gpu.kit import place_gguf, write_plan
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(bytes(range(256)) * 6000)  # 1,536,000 B
+    kit = tmp_path / "kit"
+    (kit / "call1" / "wheels").mkdir(parents=True)
+    (kit / "call1" / "wheels" / "w.whl").write_bytes(b"w" * 10_000)
+    (kit / "call2" / "data").mkdir(parents=True)
+    (kit / "call2" / "data" / "d.jsonl.gz").write_bytes(b"d" * 20_000)
+    limit = 1 << 20
+    assert place_gguf(kit, gguf, tree=50_000, limit=limit) == []  # a small tree: halves, as before
+    assert len(list((kit / "call1" / "parts").glob("*.part*"))) == 1
+    stash = place_gguf(kit, gguf, tree=400_000, limit=limit)
+    assert stash == ["stash1"] and not (kit / "stash2").exists()
+    plan = write_plan(kit, {"working_tree_bytes": 400_000, "stash_calls": stash})
+    assert list(plan["calls"]) == ["stash1", "call1", "call2"] and [c["call"] for c in plan["calls"].values()] == [0, 1, 2]
+    assert plan["calls"]["stash1"]["command"] == f"bash tools/gpu/device.sh 0 --carried {kit / 'stash1'}"
+    assert all(c["bytes"] <= limit for c in plan["calls"].values())
+    joined = kitfiles.join_parts(*(kit / n / "parts" for n in plan["calls"]), tmp_path / "out")
+    assert joined.read_bytes() == gguf.read_bytes()
+    with pytest.raises(ValueError, match="leave .* of the device's"):
+        place_gguf(kit, gguf, tree=limit - 100_000, limit=limit)
 
 
 def test_back_violations_name_every_limit(tmp_path):

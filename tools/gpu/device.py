@@ -4,7 +4,7 @@ Each call is a list of phases. A phase is one command with its own time budget; 
 figures go into $OUT/results.json as soon as it ends, so a call stopped at its limit still returns what
 finished. Call 1 (no GGUF needed): the environment, the carried wheels, the CUDA lossless tests on tiny
 models (exact tokens in fp32) and the bf16 tie check. Call 2 (same machine, still warm): the target rebuilt
-from the GGUF halves, the demo chain on CUDA, then the GPU-scale quality run (regen, dump, train EAGLE-3, eval
+from the GGUF parts, the demo chain on CUDA, then the GPU-scale quality run (regen, dump, train EAGLE-3, eval
 on MT-bench at T=0 against vanilla, verification cost by tree size) and the head's export, split into files
 that fit what comes back.
 
@@ -80,7 +80,7 @@ PROFILES = {
 }
 CALL_PHASES = {1: ["env", "install", "lossless_cuda", "bf16_ties"],
                2: ["install", "target", "demo", "regen", "dump", "train", "eval", "tree_cost", "export"]}
-# Campaign call 1 only installs and stashes its GGUF half: the lease's time goes to training in call 2.
+# Campaign call 1 only installs and stashes its GGUF part: the lease's time goes to training in call 2.
 CAMPAIGN_PHASES = {1: ["env", "install"], 2: ["install", "target", "inputs", "train_eagle3", "train_eagle1", "back"],
                    3: ["rest"]}
 CAMPAIGN = "campaign"  # call 2's carried folder for the campaign: regen.tar.gz (kit.py campaign_pack)
@@ -88,6 +88,8 @@ STOP_GRACE_S = 20  # a train run stopped at its phase's budget writes its checkp
 
 
 def phases(call: int, campaign: bool) -> list[str]:
+    if call == 0:  # a stash call (kit.py adds them where the working tree is large): its GGUF part, nothing else
+        return []
     return (CAMPAIGN_PHASES if campaign else CALL_PHASES)[call]
 
 
@@ -197,8 +199,8 @@ class Run:
     # -- call 2 ------------------------------------------------------------------------------------------
 
     def do_target(self, budget):
-        """The GGUF from its two halves (one carried by each call; the first kept in the stash), checked."""
-        if self.target:  # dry run: a tiny local model stands in for the target; the halves are still checked
+        """The GGUF from its parts (one carried by each call; the earlier calls' kept in the stash), checked."""
+        if self.target:  # dry run: a tiny local model stands in for the target; the parts are still checked
             path = kitfiles.join_parts(self.stash / "parts", self.carried / "parts", self.stash / "joined")
             return {"target": "tiny (dry run)", "gguf_bytes": path.stat().st_size}
         path = kitfiles.join_parts(self.stash / "parts", self.carried / "parts", self.stash / "target")
@@ -337,7 +339,7 @@ class Run:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("call", type=int, choices=(1, 2, 3))
+    ap.add_argument("call", type=int, choices=(0, 1, 2, 3), help="0: a stash call (its --carried GGUF part only)")
     ap.add_argument("--campaign", default=None, metavar="EXPERIMENT",
                     help="call 2 trains this experiment's final heads on its carried regen output; call 3 sends "
                          "back what did not fit")
@@ -353,9 +355,13 @@ def main() -> None:
     carried = Path(args.carried) if args.carried else REPO / ".gpukit" / f"call{args.call}"
     if args.call == 3 and not args.campaign:
         ap.error("call 3 is the campaign's (--campaign)")
+    if args.call == 0 and not args.carried:
+        ap.error("a stash call names its carried folder (--carried .gpukit/stashN)")
     run = Run(args.call, PROFILES[args.profile], out, stash, carried, args.target, args.campaign)
-    if args.call == 1:  # the first GGUF half waits in the stash for call 2
+    if args.call in (0, 1):  # their GGUF parts wait in the stash for call 2, which carries the last one
         kitfiles.stash_parts(carried / "parts", stash / "parts")
+        run.results["stashed"] = sorted(p.name for p in (carried / "parts").glob("*.part*"))
+        run.save()
     for name in phases(args.call, bool(args.campaign)):
         run.phase(name)
     failed = [n for n, r in run.results["phases"].items() if r["status"] != "ok"]

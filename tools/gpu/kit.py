@@ -15,8 +15,10 @@ at most 64 MiB travel and 8 files of at most 16 MiB come back; the whole lease i
 - the missing pure-Python packages travel as wheels repacked from this environment (what `make install`
   verified; no registry is asked, here or there), installed into an ignored folder, never over the device's
   own torch and transformers;
-- the 98 MB SmolLM2 GGUF travels in two halves, one per call: call 1 stashes its half in the ignored
-  `.gpustash/` (kept while the machine is warm), call 2 brings the other and joins them, checking sha256;
+- the 98 MB SmolLM2 GGUF travels in equal parts, one per call: call 1 stashes its part in the ignored
+  `.gpustash/` (kept while the machine is warm), call 2 brings the last and joins them, checking sha256. Every
+  call also carries the working tree, so where committed heads or carries leave calls 1 and 2 too little room
+  for halves, the GGUF is cut in more parts and stash calls (`device.sh 0`, seconds each) go first;
 - the quality experiment's prompts travel extracted and gzipped (the checkout's ../shared does not travel);
 - call 1 (at most 3 minutes) runs what needs no GGUF; call 2 (at most 7 minutes, started right after so the
   machine is still warm) the demo chain on CUDA and a GPU-scale quality run; every phase has a budget and
@@ -74,10 +76,9 @@ def quality_conversations(shared_data: Path) -> list[dict]:
 
 
 def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data", campaign: Path | None = None) -> dict:
-    """.gpukit/ for calls 1 and 2; with `campaign` (a finished regen stage's folder,
-    outputs/<experiment>/regen), call 2 is the campaign's (campaign_pack) and call 3 follows."""
-    from pipeline.target import TargetConfig, packaged_gguf
-
+    """.gpukit/ for calls 1 and 2 (and stash calls where the working tree is large: place_gguf); with `campaign`
+    (a finished regen stage's folder, outputs/<experiment>/regen), call 2 is the campaign's (campaign_pack) and
+    call 3 follows."""
     if kit.exists():
         shutil.rmtree(kit)
     calls = {n: kit / f"call{n}" for n in (1, 2)}
@@ -85,14 +86,6 @@ def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data"
         kitfiles.wheel_from_installed(dist, calls[1] / "wheels")
     # Both calls install them: a warm machine keeps call 1's install, a cold one would not.
     shutil.copytree(calls[1] / "wheels", calls[2] / "wheels")
-    cfg = TargetConfig()
-    gguf = packaged_gguf(cfg.gguf_package, cfg.gguf_file)
-    with tempfile.TemporaryDirectory() as tmp:
-        index = kitfiles.split_file(gguf, Path(tmp), n_parts=2)
-        for n, part in zip((1, 2), index["parts"]):
-            (calls[n] / "parts").mkdir(parents=True)
-            shutil.copy2(Path(tmp) / part, calls[n] / "parts" / part)
-            shutil.copy2(Path(tmp) / f"{index['name']}.index.json", calls[n] / "parts")
     data = calls[2] / "data"
     data.mkdir()
     conversations = quality_conversations(shared_data)
@@ -100,24 +93,63 @@ def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data"
         f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
     shutil.copy2(shared_data / "mt_bench" / "question.jsonl", data / "mt_bench.jsonl")
     plan = {"conversations": len(conversations), "working_tree_bytes": kitfiles.working_tree_bytes(REPO), "calls": {}}
+    plan["stash_calls"] = place_gguf(kit, target_gguf(), plan["working_tree_bytes"])
     write_plan(kit, plan)
     return campaign_pack(kit, campaign) if campaign else plan
 
 
+def target_gguf() -> Path:
+    from pipeline.target import TargetConfig, packaged_gguf
+
+    cfg = TargetConfig()
+    return packaged_gguf(cfg.gguf_package, cfg.gguf_file)
+
+
+def place_gguf(kit: Path, gguf: Path, tree: int, limit: int = kitfiles.TREE_BYTES) -> list[str]:
+    """The GGUF cut in equal parts, one per call, each call's part sized to fit beside the working tree (`tree`
+    bytes, which every call sends) and the call's own files: calls 1 and 2 carry one each; where that leaves
+    parts over, each goes in a stash call of its own (kit/stashK, run first). Replaces any earlier placement
+    (campaign_pack places again once call 2 holds the regen pack). Returns the stash calls' folder names."""
+    for old in kit.glob("stash*"):
+        shutil.rmtree(old)
+    for n in (1, 2):
+        shutil.rmtree(kit / f"call{n}" / "parts", ignore_errors=True)
+    own = max(kitfiles.tree_bytes(kit / f"call{n}") if (kit / f"call{n}").is_dir() else 0 for n in (1, 2))
+    room = limit - tree - own - kitfiles.PARTS_SLACK_BYTES
+    size = gguf.stat().st_size
+    if room <= 0 or -(-size // room) > 8:  # more than 8 parts would not fit the lease's time
+        raise ValueError(f"the working tree ({tree:,} B) and the calls' own files ({own:,} B) leave {room:,} B of the "
+                         f"device's {limit:,} B per call: too little for {gguf.name} ({size:,} B) in at most 8 "
+                         f"parts; commit fewer large files (heads, carries) or move them out of the tree")
+    with tempfile.TemporaryDirectory() as tmp:
+        index = kitfiles.split_file(gguf, Path(tmp), n_parts=max(2, -(-size // room)))
+        stash_calls = [f"stash{k}" for k in range(1, len(index["parts"]) - 1)]
+        for folder, part in zip([f"call1", f"call2", *stash_calls], index["parts"]):
+            (kit / folder / "parts").mkdir(parents=True)
+            shutil.copy2(Path(tmp) / part, kit / folder / "parts" / part)
+            shutil.copy2(Path(tmp) / f"{index['name']}.index.json", kit / folder / "parts")
+    return stash_calls
+
+
 def write_plan(kit: Path, plan: dict) -> dict:
-    """The calls' commands, carried folders and bytes (plan['campaign']: the campaign's experiment, or absent)."""
+    """The calls in the order they run (stash calls first), keyed by their carried folder's name: each with its
+    device call number, command, carried folders and bytes (plan['campaign']: the campaign's experiment, or
+    absent)."""
     experiment = plan.get("campaign")
     suffix = f" --campaign {experiment}" if experiment else ""
     plan["calls"] = {}
-    for n in (1, 2, 3) if experiment else (1, 2):
-        folder = kit / f"call{n}"
+    order = [(0, name) for name in plan.get("stash_calls", [])]
+    order += [(n, f"call{n}") for n in ((1, 2, 3) if experiment else (1, 2))]
+    for n, name in order:
+        folder = kit / name
         carried = kitfiles.tree_bytes(folder) if folder.is_dir() else 0
         carry = os.path.relpath(folder, REPO) if folder.resolve().is_relative_to(REPO) else str(folder)
-        plan["calls"][n] = {"command": f"bash tools/gpu/device.sh {n}{suffix}",
-                            "carry": [carry] if folder.is_dir() else [],
-                            "timeout_s": kitfiles.call_limit_s(n, bool(experiment)) + CALL_SLACK_S,
-                            "carried_bytes": carried,
-                            "bytes": plan["working_tree_bytes"] + carried}
+        command = f"bash tools/gpu/device.sh 0 --carried {carry}" if n == 0 else f"bash tools/gpu/device.sh {n}{suffix}"
+        plan["calls"][name] = {"call": n, "command": command,
+                               "carry": [carry] if folder.is_dir() else [],
+                               "timeout_s": kitfiles.call_limit_s(n, bool(experiment)) + CALL_SLACK_S,
+                               "carried_bytes": carried,
+                               "bytes": plan["working_tree_bytes"] + carried}
     kitfiles.atomic_json(kit / "plan.json", plan)
     return plan
 
@@ -141,13 +173,14 @@ def campaign_pack(kit: Path, regen_dir: Path) -> dict:
                 t.add(regen_dir / name, arcname=f"regen/{name}")
     plan = json.loads((kit / "plan.json").read_text())
     plan["campaign"] = regen_dir.parent.name
+    plan["stash_calls"] = place_gguf(kit, target_gguf(), plan["working_tree_bytes"])  # call 2 grew
     return write_plan(kit, plan)
 
 
 def print_plan(plan: dict) -> None:
     print(f"kit ready: {plan['conversations']} quality conversations; working tree {plan['working_tree_bytes']:,} B")
-    for n, call in plan["calls"].items():
-        print(f"call {n}: run(command={call['command']!r}, carry={call['carry']}, timeout_s={call['timeout_s']})"
+    for name, call in plan["calls"].items():
+        print(f"{name}: run(command={call['command']!r}, carry={call['carry']}, timeout_s={call['timeout_s']})"
               f"  # {call['bytes']:,} B travel")
     if plan.get("campaign"):
         print(f"then: give_back; python -m tools.gpu.kit unpack <call 2's files_at> <call 3's files_at> "
@@ -161,19 +194,19 @@ def limit_violations(plan: dict) -> list[str]:
     from tools.gpu.device import PROFILES, phases
 
     problems = []
-    for n, call in plan["calls"].items():
-        n = int(n)
+    for name, call in plan["calls"].items():
+        n = call["call"]
         if call["bytes"] > kitfiles.TREE_BYTES:
-            problems.append(f"call {n}: {call['bytes']:,} B travel, at most {kitfiles.TREE_BYTES:,}")
+            problems.append(f"{name}: {call['bytes']:,} B travel, at most {kitfiles.TREE_BYTES:,}")
         campaign = bool(plan.get("campaign"))
         spent = sum(PROFILES["gpu"].budgets[p] for p in phases(n, campaign))
         if spent + CALL_MARGIN_S > kitfiles.call_limit_s(n, campaign):
-            problems.append(f"call {n}: phase budgets {spent} s + {CALL_MARGIN_S} s margin exceed "
+            problems.append(f"{name}: phase budgets {spent} s + {CALL_MARGIN_S} s margin exceed "
                             f"{kitfiles.call_limit_s(n, campaign)} s")
         if call["timeout_s"] > 600:
-            problems.append(f"call {n}: timeout_s {call['timeout_s']} over the tool's 600 s")
+            problems.append(f"{name}: timeout_s {call['timeout_s']} over the tool's 600 s")
     total = sum(call["timeout_s"] for call in plan["calls"].values())
-    if total > 15 * 60 - 120:  # two calls plus a start-up of a minute or more inside the 15-minute lease
+    if total > 15 * 60 - 120:  # the calls plus a start-up of a minute or more inside the 15-minute lease
         problems.append(f"calls' timeouts {total} s leave under 2 minutes of the 15-minute lease for start-up")
     return problems
 
@@ -222,8 +255,8 @@ def dry_run(keep: Path | None = None) -> int:
         print(f"{what} (dry run, CPU, tiny target): {wall:.0f} s, {len(files)} files back; {phases}")
         return result
 
-    for n in (1, 2):
-        call(n, work / f"out{n}", KIT / f"call{n}")
+    for name, c in plan["calls"].items():  # stash calls (if any) first, as on the device
+        call(c["call"], work / (f"out{c['call']}" if c["call"] else f"out-{name}"), REPO / c["carry"][0])
     head = work / "out2" / "head"
     if head.is_dir():
         export = kitfiles.join_dir(head, work / "joined")
@@ -241,8 +274,12 @@ def dry_run(keep: Path | None = None) -> int:
         cplan = campaign_pack(ckit, regen)
         problems.extend(f"campaign: {p}" for p in limit_violations(cplan))
         shutil.rmtree(stash)  # a machine of its own: call 1 stashes again
-        for n in (1, 2, 3):
-            call(n, work / f"out{n}c", ckit / f"call{n}", "--campaign", "gpu_kit")
+        for name, c in cplan["calls"].items():
+            carried = Path(c["carry"][0]) if c["carry"] else ckit / name
+            if c["call"]:
+                call(c["call"], work / f"out{c['call']}c", carried, "--campaign", "gpu_kit")
+            else:
+                call(0, work / f"out-{name}c", carried)
         outputs = work / "cpu_outputs"
         try:
             runs = unpack([work / "out2c", work / "out3c"], outputs)

@@ -25,9 +25,15 @@ BACK_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 # (call 1 only stashes; call 3 sends back what did not fit call 2's return).
 CALL_LIMIT_S = {1: 180, 2: 420}
 CAMPAIGN_CALL_LIMIT_S = {1: 60, 2: 540, 3: 60}
+# Call 0, a stash call: only where the working tree leaves calls 1 and 2 too little room for their GGUF parts
+# (committed heads or carries), each carries one more part and copies it into the stash; it runs no phase.
+STASH_CALL_LIMIT_S = 10
+PARTS_SLACK_BYTES = 64 << 10  # a call's parts index and rounding, kept free under TREE_BYTES
 
 
 def call_limit_s(call: int, campaign: bool) -> int:
+    if call == 0:
+        return STASH_CALL_LIMIT_S
     return (CAMPAIGN_CALL_LIMIT_S if campaign else CALL_LIMIT_S)[call]
 PART_BYTES = 15 * MiB  # one file back, with room under 16 MiB
 
@@ -84,8 +90,8 @@ def join_parts(*dirs: Path) -> Path:
     found = {p.name: p for d in sources if d.is_dir() for p in d.glob(f"{index['name']}.part*")}
     missing = [p for p in index["parts"] if p not in found]
     if missing:
-        raise FileNotFoundError(f"{index['name']}: parts {missing} missing (call 1 stashes its part; if the machine "
-                                f"went cold between the calls, run both calls again)")
+        raise FileNotFoundError(f"{index['name']}: parts {missing} missing (every call before the last stashes its "
+                                f"part; if the machine went cold between the calls, run all the calls again)")
     tmp = out.with_name(f".{out.name}.tmp")
     with open(tmp, "wb") as f:
         for p in index["parts"]:
