@@ -158,8 +158,10 @@ ablations)
   python -m pipeline.eval.table "$RESULTS" --ablations mt_bench-n20-T0-m128
   ;;
 scaling)
-  for head in eagle3 eagle1; do
-    for f in 0.125 0.25 0.5; do
+  # Fraction by fraction, both heads at each: every finished pair is a point of the curve with its EAGLE-3/EAGLE-1
+  # ratio, while the longer runs (1/2: ~3 h of EAGLE-3 on 2 cores) are still being carried.
+  for f in 0.125 0.25 0.5; do
+    for head in eagle3 eagle1; do
       row "head=$head head.name=$head-f$f" "train.train_fraction=$f" \
         "eval.limit=40 $QUICK_EVAL" "eval.limit=40 $CHOSEN_TREE $QUICK_EVAL"
     done
