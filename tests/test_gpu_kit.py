@@ -1,6 +1,6 @@
 """The GPU kit (tools/gpu) works before the first lent GPU: `kit.py --dry-run` prepares the kit, checks
 every limit of the device tool (bytes per call, files back and their sizes, phase budgets against the call
-limits) and runs both device calls here on CPU against a tiny model, end to end, joining the returned head."""
+limits) and runs the device calls here on CPU against a tiny model, end to end, joining the returned head."""
 from __future__ import annotations
 
 import json
@@ -97,7 +97,7 @@ def test_a_large_working_tree_cuts_the_gguf_in_more_parts_carried_by_stash_calls
     """Every call sends the working tree: committed heads or carries leave calls 1 and 2 too little room for
     GGUF halves, so the GGUF goes in more parts, the extra ones in stash calls (device.sh 0) that run first;
     every call fits, and the parts of all calls join back."""
-    from tools.gpu.kit import place_gguf, write_plan
+    from tools.gpu.kit import max_stash_calls, place_gguf, write_plan
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(bytes(range(256)) * 6000)  # 1,536,000 B
@@ -117,8 +117,22 @@ def test_a_large_working_tree_cuts_the_gguf_in_more_parts_carried_by_stash_calls
     assert all(c["bytes"] <= limit for c in plan["calls"].values())
     joined = kitfiles.join_parts(*(kit / n / "parts" for n in plan["calls"]), tmp_path / "out")
     assert joined.read_bytes() == gguf.read_bytes()
+    assert [p.name for p in (kit / "call2" / "parts").glob("*.part*")] == ["model.gguf.part2"]  # the last part
     with pytest.raises(ValueError, match="leave .* of the device's"):
         place_gguf(kit, gguf, tree=limit - 100_000, limit=limit)
+    with pytest.raises(ValueError, match="in the 3 parts the lease has time for"):  # 5 parts needed, time for 1 stash call
+        place_gguf(kit, gguf, tree=600_000, limit=limit, max_stash=1)
+    assert (max_stash_calls(False), max_stash_calls(True)) == (4, 2)  # 30 s each beside the calls' 640 s / 720 s
+
+
+def test_a_stash_call_that_carries_no_part_fails_at_once(tmp_path):
+    empty = tmp_path / "stash1"
+    empty.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu.device", "0", "--carried", str(empty), "--profile",
+                           "dryrun", "--out", str(tmp_path / "out"), "--stash", str(tmp_path / "stash")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "no GGUF part in" in proc.stderr
+    assert json.loads((tmp_path / "out" / "results0.json").read_text())["stashed"] == []
 
 
 def test_back_violations_name_every_limit(tmp_path):

@@ -362,6 +362,9 @@ def main() -> None:
         kitfiles.stash_parts(carried / "parts", stash / "parts")
         run.results["stashed"] = sorted(p.name for p in (carried / "parts").glob("*.part*"))
         run.save()
+        if not run.results["stashed"]:  # said now, not in call 2's target phase after call 1's minutes
+            sys.exit(f"call {args.call}: no GGUF part in {carried / 'parts'}; run `python -m tools.gpu.kit prepare` "
+                     f"and the calls it prints, in order")
     for name in phases(args.call, bool(args.campaign)):
         run.phase(name)
     failed = [n for n, r in run.results["phases"].items() if r["status"] != "ok"]

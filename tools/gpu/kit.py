@@ -1,7 +1,7 @@
 """The GPU kit: what one lent H200 session needs, built here so the first device call works.
 
-    python -m tools.gpu.kit prepare      # build .gpukit/ (ignored) and print the two `run` calls
-    python -m tools.gpu.kit --dry-run    # prepare, check every device limit, run both calls here on CPU
+    python -m tools.gpu.kit prepare      # build .gpukit/ (ignored) and print the `run` calls, in order
+    python -m tools.gpu.kit --dry-run    # prepare, check every device limit, run the calls here on CPU
     python -m tools.gpu.kit join DIR     # after call 2: DIR's head parts -> an export folder, checked
     python -m tools.gpu.kit prepare --campaign outputs/smollm2_quality_v2/regen
                                          # campaign mode: call 2 trains that experiment's final heads there
@@ -59,6 +59,13 @@ for name in filter(None, os.environ.get("EAGLET_KIT_ABSENT", "").split(",")):
 # Start-up and transfers come out of the lease too; each call's phases must leave this much of its limit.
 CALL_MARGIN_S = 10
 CALL_SLACK_S = 20  # a call's timeout_s over its phases' limit
+LEASE_CALLS_S = 15 * 60 - 120  # the calls' timeouts together, a start-up of a minute or more aside
+
+
+def max_stash_calls(campaign: bool) -> int:
+    """How many stash calls the lease has time for beside the kit's own calls."""
+    own = sum(kitfiles.call_limit_s(n, campaign) + CALL_SLACK_S for n in ((1, 2, 3) if campaign else (1, 2)))
+    return max(0, (LEASE_CALLS_S - own) // (kitfiles.call_limit_s(0, campaign) + CALL_SLACK_S))
 
 
 def quality_conversations(shared_data: Path) -> list[dict]:
@@ -93,7 +100,7 @@ def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data"
         f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
     shutil.copy2(shared_data / "mt_bench" / "question.jsonl", data / "mt_bench.jsonl")
     plan = {"conversations": len(conversations), "working_tree_bytes": kitfiles.working_tree_bytes(REPO), "calls": {}}
-    plan["stash_calls"] = place_gguf(kit, target_gguf(), plan["working_tree_bytes"])
+    plan["stash_calls"] = place_gguf(kit, target_gguf(), plan["working_tree_bytes"], max_stash=max_stash_calls(False))
     write_plan(kit, plan)
     return campaign_pack(kit, campaign) if campaign else plan
 
@@ -105,11 +112,12 @@ def target_gguf() -> Path:
     return packaged_gguf(cfg.gguf_package, cfg.gguf_file)
 
 
-def place_gguf(kit: Path, gguf: Path, tree: int, limit: int = kitfiles.TREE_BYTES) -> list[str]:
+def place_gguf(kit: Path, gguf: Path, tree: int, limit: int = kitfiles.TREE_BYTES, max_stash: int = 4) -> list[str]:
     """The GGUF cut in equal parts, one per call, each call's part sized to fit beside the working tree (`tree`
-    bytes, which every call sends) and the call's own files: calls 1 and 2 carry one each; where that leaves
-    parts over, each goes in a stash call of its own (kit/stashK, run first). Replaces any earlier placement
-    (campaign_pack places again once call 2 holds the regen pack). Returns the stash calls' folder names."""
+    bytes, which every call sends) and the call's own files: call 1 carries the first, call 2 the last; where
+    that leaves parts between, each goes in a stash call of its own (kit/stashK, run first; at most `max_stash`,
+    what the lease has time for). Replaces any earlier placement (campaign_pack places again once call 2 holds
+    the regen pack). Returns the stash calls' folder names."""
     for old in kit.glob("stash*"):
         shutil.rmtree(old)
     for n in (1, 2):
@@ -117,14 +125,15 @@ def place_gguf(kit: Path, gguf: Path, tree: int, limit: int = kitfiles.TREE_BYTE
     own = max(kitfiles.tree_bytes(kit / f"call{n}") if (kit / f"call{n}").is_dir() else 0 for n in (1, 2))
     room = limit - tree - own - kitfiles.PARTS_SLACK_BYTES
     size = gguf.stat().st_size
-    if room <= 0 or -(-size // room) > 8:  # more than 8 parts would not fit the lease's time
+    if room <= 0 or -(-size // room) > 2 + max_stash:
         raise ValueError(f"the working tree ({tree:,} B) and the calls' own files ({own:,} B) leave {room:,} B of the "
-                         f"device's {limit:,} B per call: too little for {gguf.name} ({size:,} B) in at most 8 "
-                         f"parts; commit fewer large files (heads, carries) or move them out of the tree")
+                         f"device's {limit:,} B per call: too little for {gguf.name} ({size:,} B) in the "
+                         f"{2 + max_stash} parts the lease has time for; commit fewer large files (heads, carries) "
+                         f"or move them out of the tree")
     with tempfile.TemporaryDirectory() as tmp:
         index = kitfiles.split_file(gguf, Path(tmp), n_parts=max(2, -(-size // room)))
         stash_calls = [f"stash{k}" for k in range(1, len(index["parts"]) - 1)]
-        for folder, part in zip([f"call1", f"call2", *stash_calls], index["parts"]):
+        for folder, part in zip(["call1", *stash_calls, "call2"], index["parts"]):
             (kit / folder / "parts").mkdir(parents=True)
             shutil.copy2(Path(tmp) / part, kit / folder / "parts" / part)
             shutil.copy2(Path(tmp) / f"{index['name']}.index.json", kit / folder / "parts")
@@ -173,7 +182,8 @@ def campaign_pack(kit: Path, regen_dir: Path) -> dict:
                 t.add(regen_dir / name, arcname=f"regen/{name}")
     plan = json.loads((kit / "plan.json").read_text())
     plan["campaign"] = regen_dir.parent.name
-    plan["stash_calls"] = place_gguf(kit, target_gguf(), plan["working_tree_bytes"])  # call 2 grew
+    plan["stash_calls"] = place_gguf(kit, target_gguf(), plan["working_tree_bytes"],  # call 2 grew
+                                     max_stash=max_stash_calls(True))
     return write_plan(kit, plan)
 
 
@@ -206,7 +216,7 @@ def limit_violations(plan: dict) -> list[str]:
         if call["timeout_s"] > 600:
             problems.append(f"{name}: timeout_s {call['timeout_s']} over the tool's 600 s")
     total = sum(call["timeout_s"] for call in plan["calls"].values())
-    if total > 15 * 60 - 120:  # the calls plus a start-up of a minute or more inside the 15-minute lease
+    if total > LEASE_CALLS_S:
         problems.append(f"calls' timeouts {total} s leave under 2 minutes of the 15-minute lease for start-up")
     return problems
 
@@ -234,7 +244,7 @@ def dry_run(keep: Path | None = None) -> int:
     env = dict(os.environ, EAGLET_KIT_ABSENT=",".join(ABSENT_ON_DEVICE),
                PYTHONPATH=os.pathsep.join(filter(None, [str(hider), os.environ.get("PYTHONPATH")])))
 
-    def call(n: int, out: Path, carried: Path, *extra: str) -> dict:
+    def call(n: int, out: Path, carried: Path, *extra: str, label: str = "") -> dict:
         cmd = [sys.executable, "-m", "tools.gpu.device", str(n), *extra, "--profile", "dryrun", "--out", str(out),
                "--stash", str(stash), "--carried", str(carried), "--target", str(tiny)]
         start = time.monotonic()
@@ -244,7 +254,7 @@ def dry_run(keep: Path | None = None) -> int:
         result_file = out / f"results{n}.json"
         result = json.loads(result_file.read_text()) if result_file.is_file() else {}
         bad = {k: v for k, v in result.get("phases", {}).items() if v["status"] != "ok"}
-        what = f"call {n}{' ' + extra[-1] + ' campaign' if extra else ''}"
+        what = f"{label or f'call {n}'}{' ' + extra[-1] + ' campaign' if extra else ''}"
         if proc.returncode != 0 or bad or not result:
             log = out / f"call{n}.log"
             tail = log.read_text()[-3000:] if log.is_file() else proc.stderr[-3000:]
@@ -256,7 +266,7 @@ def dry_run(keep: Path | None = None) -> int:
         return result
 
     for name, c in plan["calls"].items():  # stash calls (if any) first, as on the device
-        call(c["call"], work / (f"out{c['call']}" if c["call"] else f"out-{name}"), REPO / c["carry"][0])
+        call(c["call"], work / (f"out{c['call']}" if c["call"] else f"out-{name}"), REPO / c["carry"][0], label=name)
     head = work / "out2" / "head"
     if head.is_dir():
         export = kitfiles.join_dir(head, work / "joined")
@@ -279,7 +289,7 @@ def dry_run(keep: Path | None = None) -> int:
             if c["call"]:
                 call(c["call"], work / f"out{c['call']}c", carried, "--campaign", "gpu_kit")
             else:
-                call(0, work / f"out-{name}c", carried)
+                call(0, work / f"out-{name}c", carried, label=f"{name} (campaign)")
         outputs = work / "cpu_outputs"
         try:
             runs = unpack([work / "out2c", work / "out3c"], outputs)
@@ -347,7 +357,12 @@ def main() -> None:
     if args.dry_run:
         sys.exit(dry_run(args.keep))
     if args.command == "prepare":
-        print_plan(prepare(campaign=Path(args.campaign) if args.campaign else None))
+        plan = prepare(campaign=Path(args.campaign) if args.campaign else None)
+        print_plan(plan)
+        problems = limit_violations(plan)
+        for p in problems:
+            print(f"VIOLATION: {p}", file=sys.stderr)
+        sys.exit(1 if problems else 0)
     elif args.command == "join" and len(args.path) == 1:
         join(Path(args.path[0]), Path(args.dest) if args.dest else None)
     elif args.command == "unpack" and args.path:
