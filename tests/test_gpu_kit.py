@@ -112,7 +112,8 @@ def test_a_large_working_tree_cuts_the_gguf_in_more_parts_carried_by_stash_calls
     stash = place_gguf(kit, gguf, tree=400_000, limit=limit)
     assert stash == ["stash1"] and not (kit / "stash2").exists()
     plan = write_plan(kit, {"working_tree_bytes": 400_000, "stash_calls": stash})
-    assert list(plan["calls"]) == ["stash1", "call1", "call2"] and [c["call"] for c in plan["calls"].values()] == [0, 1, 2]
+    assert list(plan["calls"]) == ["stash1", "call1", "call2"]
+    assert [c["call"] for c in plan["calls"].values()] == [0, 1, 2]
     assert plan["calls"]["stash1"]["command"] == f"bash tools/gpu/device.sh 0 --carried {kit / 'stash1'}"
     assert all(c["bytes"] <= limit for c in plan["calls"].values())
     joined = kitfiles.join_parts(*(kit / n / "parts" for n in plan["calls"]), tmp_path / "out")
@@ -120,7 +121,8 @@ def test_a_large_working_tree_cuts_the_gguf_in_more_parts_carried_by_stash_calls
     assert [p.name for p in (kit / "call2" / "parts").glob("*.part*")] == ["model.gguf.part2"]  # the last part
     with pytest.raises(ValueError, match="leave .* of the device's"):
         place_gguf(kit, gguf, tree=limit - 100_000, limit=limit)
-    with pytest.raises(ValueError, match="in the 3 parts the lease has time for"):  # 5 parts needed, time for 1 stash call
+    # 5 parts needed, time for 1 stash call
+    with pytest.raises(ValueError, match="in the 3 parts the lease has time for"):
         place_gguf(kit, gguf, tree=600_000, limit=limit, max_stash=1)
     assert (max_stash_calls(False), max_stash_calls(True)) == (4, 2)  # 30 s each beside the calls' 640 s / 720 s
 
