@@ -100,7 +100,7 @@ def prepare(kit: Path = KIT, shared_data: Path = REPO.parent / "shared" / "data"
         f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
     shutil.copy2(shared_data / "mt_bench" / "question.jsonl", data / "mt_bench.jsonl")
     plan = {"conversations": len(conversations), "working_tree_bytes": kitfiles.working_tree_bytes(REPO), "calls": {}}
-    plan["stash_calls"] = place_gguf(kit, target_gguf(), plan["working_tree_bytes"], max_stash=max_stash_calls(False))
+    plan["stash_calls"] = place_gguf(kit, target_gguf(), plan["working_tree_bytes"])
     write_plan(kit, plan)
     return campaign_pack(kit, campaign) if campaign else plan
 
@@ -112,12 +112,15 @@ def target_gguf() -> Path:
     return packaged_gguf(cfg.gguf_package, cfg.gguf_file)
 
 
-def place_gguf(kit: Path, gguf: Path, tree: int, limit: int = kitfiles.TREE_BYTES, max_stash: int = 4) -> list[str]:
+def place_gguf(kit: Path, gguf: Path, tree: int, limit: int = kitfiles.TREE_BYTES,
+               max_stash: int | None = None) -> list[str]:
     """The GGUF cut in equal parts, one per call, each call's part sized to fit beside the working tree (`tree`
     bytes, which every call sends) and the call's own files: call 1 carries the first, call 2 the last; where
     that leaves parts between, each goes in a stash call of its own (kit/stashK, run first; at most `max_stash`,
-    what the lease has time for). Replaces any earlier placement (campaign_pack places again once call 2 holds
-    the regen pack). Returns the stash calls' folder names."""
+    by default what the lease has time for in plain mode: max_stash_calls). Replaces any earlier placement
+    (campaign_pack places again once call 2 holds the regen pack). Returns the stash calls' folder names."""
+    if max_stash is None:
+        max_stash = max_stash_calls(False)
     for old in kit.glob("stash*"):
         shutil.rmtree(old)
     for n in (1, 2):
@@ -306,9 +309,15 @@ def dry_run(keep: Path | None = None) -> int:
             problems.append(f"campaign: unpack failed: {type(e).__name__}: {e}")
     else:
         problems.append(f"campaign: call 2 left no regen output at {regen}")
+    report_violations(problems)
+    print(f"dry run {'FAILED' if problems else 'passed'} in {time.monotonic() - t0:.0f} s ({work})")
+    return 1 if problems else 0
+
+
+def report_violations(problems: list[str]) -> int:
+    """Each problem as one "VIOLATION:" line on stderr; the exit status (1 when there are any)."""
     for p in problems:
         print(f"VIOLATION: {p}", file=sys.stderr)
-    print(f"dry run {'FAILED' if problems else 'passed'} in {time.monotonic() - t0:.0f} s ({work})")
     return 1 if problems else 0
 
 
@@ -359,10 +368,7 @@ def main() -> None:
     if args.command == "prepare":
         plan = prepare(campaign=Path(args.campaign) if args.campaign else None)
         print_plan(plan)
-        problems = limit_violations(plan)
-        for p in problems:
-            print(f"VIOLATION: {p}", file=sys.stderr)
-        sys.exit(1 if problems else 0)
+        sys.exit(report_violations(limit_violations(plan)))
     elif args.command == "join" and len(args.path) == 1:
         join(Path(args.path[0]), Path(args.dest) if args.dest else None)
     elif args.command == "unpack" and args.path:
