@@ -23,7 +23,7 @@ from pipeline.files import sha256_file
 from pipeline.hidden_states.plan import TokenizedSample
 from pipeline.manifest import TrainManifest
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.carry import CarryError, read_carry, save_carry
+from pipeline.train.carry import CarryError, carry_bytes, read_carry, save_carry
 from pipeline.train.loop import LrSchedule, ResumeRefused, StopForRequeue
 from pipeline.train.metrics import read_metrics
 from pipeline.train.online import OnlineRows
@@ -65,9 +65,14 @@ def stopped(dump_root, tiny_model_dir, tmp_path_factory):
     train_dir = dump_root / EXPERIMENT / "train" / "first"
     carry_dir = tmp_path_factory.mktemp("committed") / "first"
     record = save_carry(train_dir, carry_dir)
+    # a budget the two heads exceed: the carry is best/'s checkpoint (step-4 is still kept), one head
+    one_head = carry_dir.parent / "one_head"
+    one_head_record = save_carry(train_dir, one_head,
+                                 budget_bytes=record["files"]["model.safetensors"]["bytes"] * 3 // 2)
     weights = load_file(str(ckpt.latest_checkpoint(train_dir) / "model.safetensors"))
     main(as_config(d))  # the same machine: resumed from step-6 exactly
-    return SimpleNamespace(overrides=d, train_dir=train_dir, carry=carry_dir, record=record, weights=weights)
+    return SimpleNamespace(overrides=d, train_dir=train_dir, carry=carry_dir, record=record, weights=weights,
+                           one_head=one_head, one_head_record=one_head_record)
 
 
 def test_a_carry_holds_bf16_weights_metrics_and_best_and_no_optimizer(stopped):
@@ -123,6 +128,26 @@ def test_a_fresh_machine_continues_a_carry(dump_root, tiny_model_dir, stopped):
     # A rerun on this machine resumes from its own checkpoint: the restart is the run's history, not a change.
     main(as_config(d))
     assert TrainManifest.load(train_dir).carries == manifest.carries
+
+
+def test_a_carry_over_its_budget_is_taken_at_the_best_heads_checkpoint(dump_root, tiny_model_dir, stopped):
+    record = stopped.one_head_record
+    assert (record["step"], record["checkpoint"], record["rewound_steps"]) == (4, "step-4", STOP - 4)
+    assert record["best"]["step"] == 4 and not any(name.startswith("best/") for name in record["files"])
+    assert carry_bytes(record) < carry_bytes(stopped.record) and carry_bytes(stopped.record) > \
+        record["files"]["model.safetensors"]["bytes"] * 3 // 2
+    out = carry_cli("check", str(stopped.one_head))
+    assert out.returncode == 0 and "the 2 steps after it are trained again" in out.stdout, out.stderr
+    d = {**overrides(dump_root, tiny_model_dir, "eagle3", "one_head", select="tau", carry_warmup_steps=WARMUP),
+         "train.carry_from": str(stopped.one_head)}
+    main(as_config(d))
+    train_dir = dump_root / EXPERIMENT / "train" / "one_head"
+    assert sorted(train_losses(train_dir)) == list(range(1, STEPS + 1))  # steps 5 and 6 trained again
+    manifest = TrainManifest.load(train_dir)
+    assert [c["step"] for c in manifest.carries] == [4] and manifest.counts["steps"] == STEPS
+    # step 4's probe came with the carry, and best/ was rebuilt from the carried head: a selection among 4, 8, 12, 14
+    assert [r["step"] for r in read_metrics(train_dir / "metrics.jsonl") if "eval/tau" in r] == [4, 8, 12, 14]
+    assert manifest.selected["step"] in (4, 8, 12, 14)
 
 
 def test_a_finished_runs_carry_gives_back_its_head_without_training(dump_root, tiny_model_dir, stopped):

@@ -6,7 +6,8 @@
     <carry dir>/metrics.jsonl.gz     the run's metrics up to the step: its curves and the tau probes
     <carry dir>/best/                train.select=tau: the best-tau head so far, when it is not the step's own
 
-`python -m pipeline.train.carry save <train dir> <carry dir>` writes one from the train folder's last checkpoint;
+`python -m pipeline.train.carry save <train dir> <carry dir>` writes one from the train folder's last checkpoint,
+or from the best-tau head's checkpoint when the two heads would exceed the budget (save_carry);
 `train.carry_from=<carry dir>` continues it where the train folder has no checkpoint of its own (a fresh machine);
 `python -m pipeline.train.carry check [--complete] <carry dir>` checks its files and says where it stands.
 
@@ -34,13 +35,14 @@ from pipeline.files import atomic_dir, sha256_file
 from pipeline.heads.io import HEAD_CONFIG, HEAD_WEIGHTS
 from pipeline.manifest import MANIFEST, ManifestError, check_files, file_digests, file_problem
 
-from .checkpoint import BEST, SELECTED, TRAINER_STATE, latest_checkpoint, read_record
+from .checkpoint import BEST, SELECTED, TRAINER_STATE, checkpoint_dirs, latest_checkpoint, read_record
 from .metrics import read_metrics
 
 CARRY = "carry.json"
 CARRY_FORMAT = 1
 METRICS_GZ = "metrics.jsonl.gz"
 LEFT_BEHIND = ["optimizer moments", "fp32 weights", "rng states"]
+BUDGET_BYTES = 25_000_000  # a committed head's limit (docs/results/quality.md): a carry stays within one
 
 
 class CarryError(ManifestError):
@@ -58,13 +60,35 @@ def _bf16_head(src: Path, dest: Path) -> None:
     shutil.copyfile(src / HEAD_CONFIG, dest / HEAD_CONFIG)
 
 
-def save_carry(train_dir: Path, dest: Path) -> dict:
-    """Writes the carry of `train_dir`'s last checkpoint to `dest` (replaced whole); returns its carry.json."""
+def save_carry(train_dir: Path, dest: Path, budget_bytes: Optional[int] = BUDGET_BYTES) -> dict:
+    """Writes the carry of `train_dir`'s last checkpoint to `dest` (replaced whole); returns its carry.json.
+
+    With train.select=tau the carry holds the best-tau head as well, when that is not the step's own. Where the
+    two heads exceed `budget_bytes` (what one committed head may take) and the best head's checkpoint is still
+    kept, the carry is that checkpoint's instead: one head, and the steps after it (`rewound_steps`) are trained
+    again on the machine that continues it. Where it is no longer kept, or the run is complete, both heads are
+    carried, over the budget."""
     train_dir, dest = Path(train_dir), Path(dest)
     checkpoint = latest_checkpoint(train_dir)
     if checkpoint is None:
         raise CarryError(f"{train_dir}: no checkpoint to carry (a run writes one every train.save_every steps, on a "
                          f"stop request and at the end)")
+    record = _write_carry(train_dir, checkpoint, dest)
+    best = record["best"]
+    if (budget_bytes is None or carry_bytes(record) <= budget_bytes or best is None or best["step"] == record["step"]
+            or record["complete"]):  # (a complete run's carry gives back its heads: it is not trained again)
+        return record
+    at_best = checkpoint.with_name(f"step-{best['step']}")
+    if at_best not in checkpoint_dirs(train_dir):
+        return record
+    return _write_carry(train_dir, at_best, dest, rewound_steps=record["step"] - best["step"])
+
+
+def carry_bytes(record: dict) -> int:
+    return sum(f["bytes"] for f in record["files"].values())
+
+
+def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: int = 0) -> dict:
     # the files carried, against the record the run wrote beside its checkpoints: a damaged one is not carried on
     recorded = read_record(train_dir).get(checkpoint.name, {})
     problems = [f"{name}: {problem}" for name, r in recorded.items() if name in (HEAD_WEIGHTS, TRAINER_STATE)
@@ -96,7 +120,8 @@ def save_carry(train_dir: Path, dest: Path) -> dict:
                   "complete": complete,
                   # the complete run's manifest: evals of its head count for the head a fresh machine rebuilds
                   "train_manifest_sha256": sha256_file(manifest) if complete else None,
-                  "checkpoint": checkpoint.name, "weights_dtype": "bfloat16", "best": best,
+                  "checkpoint": checkpoint.name, "rewound_steps": rewound_steps, "weights_dtype": "bfloat16",
+                  "best": best,
                   "left_behind": LEFT_BEHIND, "files": file_digests(tmp)}
         (tmp / CARRY).write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -135,8 +160,10 @@ def restore_records(path: Path, train_dir: Path) -> None:
 
 def describe(record: dict) -> str:
     best = record.get("best")
+    rewound = record.get("rewound_steps", 0)
     return (f"step {record['step']} of {record['total_steps']}" + (", complete" if record["complete"] else "") +
-            (f", best tau {best['tau']:.3f} at step {best['step']}" if best else ""))
+            (f", best tau {best['tau']:.3f} at step {best['step']}" if best else "") +
+            (f" (the best head's checkpoint: the {rewound} steps after it are trained again)" if rewound else ""))
 
 
 def main(argv: Optional[list] = None) -> None:
@@ -145,15 +172,16 @@ def main(argv: Optional[list] = None) -> None:
     s = sub.add_parser("save", help="carry a train folder's last checkpoint")
     s.add_argument("train_dir", type=Path)
     s.add_argument("dest", type=Path)
+    s.add_argument("--budget-mb", type=float, default=BUDGET_BYTES / 1e6,
+                   help="above this the carry is taken at the best head's checkpoint where it is kept (0: no budget)")
     c = sub.add_parser("check", help="check a carry's files and say where it stands")
     c.add_argument("path", type=Path)
     c.add_argument("--complete", action="store_true", help="exit 1 unless it is of a complete run")
     args = p.parse_args(argv)
     try:
         if args.cmd == "save":
-            record = save_carry(args.train_dir, args.dest)
-            size = sum(f["bytes"] for f in record["files"].values())
-            print(f"{args.dest}: {describe(record)}, {size / 1e6:.1f} MB")
+            record = save_carry(args.train_dir, args.dest, None if args.budget_mb == 0 else int(args.budget_mb * 1e6))
+            print(f"{args.dest}: {describe(record)}, {carry_bytes(record) / 1e6:.1f} MB")
         else:
             record = read_carry(args.path)
             print(f"{args.path}: {describe(record)}")
