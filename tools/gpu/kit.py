@@ -309,9 +309,9 @@ def dry_run(keep: Path | None = None) -> int:
             problems.append(f"campaign: unpack failed: {type(e).__name__}: {e}")
     else:
         problems.append(f"campaign: call 2 left no regen output at {regen}")
-    report_violations(problems)
-    print(f"dry run {'FAILED' if problems else 'passed'} in {time.monotonic() - t0:.0f} s ({work})")
-    return 1 if problems else 0
+    status = report_violations(problems)
+    print(f"dry run {'FAILED' if status else 'passed'} in {time.monotonic() - t0:.0f} s ({work})")
+    return status
 
 
 def report_violations(problems: list[str]) -> int:
