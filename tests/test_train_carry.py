@@ -23,7 +23,7 @@ from pipeline.files import sha256_file
 from pipeline.hidden_states.plan import TokenizedSample
 from pipeline.manifest import TrainManifest
 from pipeline.train import checkpoint as ckpt
-from pipeline.train.carry import CarryError, carry_bytes, read_carry, save_carry
+from pipeline.train.carry import CarryError, carry_bytes, head_path, read_carry, save_carry
 from pipeline.train.loop import LrSchedule, ResumeRefused, StopForRequeue
 from pipeline.train.metrics import read_metrics
 from pipeline.train.online import OnlineRows
@@ -152,7 +152,12 @@ def test_a_carry_over_its_budget_is_taken_at_the_best_heads_checkpoint(dump_root
 
 def test_a_finished_runs_carry_gives_back_its_head_without_training(dump_root, tiny_model_dir, stopped):
     finished = stopped.carry.parent / "finished"
-    assert save_carry(stopped.train_dir, finished)["complete"]
+    record = save_carry(stopped.train_dir, finished)
+    assert record["complete"]
+    # one head, the one final/ is: here the best-tau probe's, not the last step's (the two differ in this run)
+    selected = TrainManifest.load(stopped.train_dir).selected
+    assert selected["step"] != STEPS and record["best"]["step"] == selected["step"]
+    assert [name for name in record["files"] if name.endswith("model.safetensors")] == ["best/model.safetensors"]
     assert carry_cli("check", "--complete", str(finished)).returncode == 0
     assert carry_cli("check", "--complete", str(stopped.carry)).returncode == 1
     d = {**overrides(dump_root, tiny_model_dir, "eagle3", "rebuilt", select="tau"), "train.carry_from": str(finished)}
@@ -184,7 +189,7 @@ def test_a_carry_of_another_run_or_a_damaged_one_is_refused(dump_root, tiny_mode
 
     damaged = tmp_path / "damaged"
     save_carry(stopped.train_dir, damaged)
-    weights = damaged / "model.safetensors"
+    weights = head_path(damaged) / "model.safetensors"  # (the run is complete by now: its best/ head)
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))

@@ -5,6 +5,7 @@
     <carry dir>/trainer_state.json   the checkpoint's: step, data position, lr schedule, what it trained on
     <carry dir>/metrics.jsonl.gz     the run's metrics up to the step: its curves and the tau probes
     <carry dir>/best/                train.select=tau: the best-tau head so far, when it is not the step's own
+                                     (a complete run's carry holds this head alone: final/ is made of it)
 
 `python -m pipeline.train.carry save <train dir> <carry dir>` writes one from the train folder's last checkpoint,
 or from the best-tau head's checkpoint when the two heads would exceed the budget (save_carry);
@@ -66,8 +67,8 @@ def save_carry(train_dir: Path, dest: Path, budget_bytes: Optional[int] = BUDGET
     With train.select=tau the carry holds the best-tau head as well, when that is not the step's own. Where the
     two heads exceed `budget_bytes` (what one committed head may take) and the best head's checkpoint is still
     kept, the carry is that checkpoint's instead: one head, and the steps after it (`rewound_steps`) are trained
-    again on the machine that continues it. Where it is no longer kept, or the run is complete, both heads are
-    carried, over the budget."""
+    again on the machine that continues it. Where it is no longer kept, both heads are carried, over the budget.
+    A complete run's carry holds one head, the one its final/ is: nothing trains on from the last step's."""
     train_dir, dest = Path(train_dir), Path(dest)
     checkpoint = latest_checkpoint(train_dir)
     if checkpoint is None:
@@ -76,7 +77,7 @@ def save_carry(train_dir: Path, dest: Path, budget_bytes: Optional[int] = BUDGET
     record = _write_carry(train_dir, checkpoint, dest)
     best = record["best"]
     if (budget_bytes is None or carry_bytes(record) <= budget_bytes or best is None or best["step"] == record["step"]
-            or record["complete"]):  # (a complete run's carry gives back its heads: it is not trained again)
+            or record["complete"]):  # (a complete run's carry holds one head: final/'s)
         return record
     at_best = checkpoint.with_name(f"step-{best['step']}")
     if at_best not in checkpoint_dirs(train_dir):
@@ -101,21 +102,22 @@ def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: i
         raise CarryError(f"checkpoint {checkpoint} was written by an eaglet older than carries (no "
                          f"portable_identity): continue it here, from its checkpoint, then carry a later one")
     step = int(state["step"])
+    manifest = train_dir / MANIFEST  # written after the last checkpoint: the run is complete at this step
+    complete = manifest.is_file() and json.loads(manifest.read_text())["counts"]["steps"] == step
+    best = None
+    if (train_dir / BEST / SELECTED).exists():
+        best = json.loads((train_dir / BEST / SELECTED).read_text())
     with atomic_dir(dest) as tmp:
-        _bf16_head(checkpoint, tmp)
+        if not (complete and best is not None and best["step"] != step):  # (else final/ is best/'s head: only it)
+            _bf16_head(checkpoint, tmp)
         shutil.copyfile(checkpoint / TRAINER_STATE, tmp / TRAINER_STATE)
         records = [r for r in read_metrics(train_dir / "metrics.jsonl") if r["step"] <= step]
         # mtime 0 and no name: the same run carries the same bytes (a commit that changes nothing is empty)
         with open(tmp / METRICS_GZ, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records).encode())
-        best = None
-        if (train_dir / BEST / SELECTED).exists():
-            best = json.loads((train_dir / BEST / SELECTED).read_text())
-            if best["step"] != step:  # else the step's own head is the best: carried once
-                _bf16_head(train_dir / BEST, tmp / BEST)
-                shutil.copyfile(train_dir / BEST / SELECTED, tmp / BEST / SELECTED)
-        manifest = train_dir / MANIFEST  # written after the last checkpoint: the run is complete at this step
-        complete = manifest.is_file() and json.loads(manifest.read_text())["counts"]["steps"] == step
+        if best is not None and best["step"] != step:  # else the step's own head is the best: carried once
+            _bf16_head(train_dir / BEST, tmp / BEST)
+            shutil.copyfile(train_dir / BEST / SELECTED, tmp / BEST / SELECTED)
         record = {"format": CARRY_FORMAT, "step": step, "total_steps": int(state["total_steps"]),
                   "complete": complete,
                   # the complete run's manifest: evals of its head count for the head a fresh machine rebuilds
@@ -141,6 +143,13 @@ def read_carry(path: Path) -> dict:
     except ManifestError as e:
         raise CarryError(str(e)) from None
     return record
+
+
+def head_path(path: Path) -> Path:
+    """The folder of the head a carry continues from: its step's, or best/'s where a complete run's carry holds
+    only that one."""
+    path = Path(path)
+    return path if (path / HEAD_WEIGHTS).is_file() else path / BEST
 
 
 def trainer_state(path: Path) -> dict:

@@ -576,7 +576,7 @@ class Trainer:
             log.info("carry %s: written by %d processes, continued by %d (same data order)", path,
                      state["world_size"], self.par.world_size)
         self._continue_at(path, state)  # (refuses a changed schedule: before anything is written here)
-        load_head_weights(self.par.unwrap(self.model).head, path)
+        load_head_weights(self.par.unwrap(self.model).head, carry.head_path(path))
         if self.par.is_main:
             carry.restore_records(path, self.train_dir)
         warmup = 0
