@@ -11,7 +11,7 @@
 #   jobs/quality_v2.sh scaling      # EAGLE-3 and EAGLE-1 on 1/8, 1/4, 1/2 of the data (1 = the final heads), 3
 #                                   # epochs, 40 questions with two trees: EAGLE-3 alone ~4.2 h of training, ~7 h in
 #                                   # all; a train run longer than a step goes on from its committed carry
-#   jobs/quality_v2.sh final        # the heads on all the data (EAGLE-3: 1,728 steps, ~5 h on 2 cores, so three
+#   jobs/quality_v2.sh final        # the heads on all the data (EAGLE-3: ~1,820 steps, ~6 h on 2 cores, so four
 #                                   # steps carried from machine to machine, or minutes on a lent GPU:
 #                                   # docs/gpu_kit.md, campaign mode), EAGLE-3's export and model card into heads/,
 #                                   # then every eval (~1.5 h a head)
