@@ -107,15 +107,16 @@ def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: i
     best = None
     if (train_dir / BEST / SELECTED).exists():
         best = json.loads((train_dir / BEST / SELECTED).read_text())
+    best_apart = best is not None and best["step"] != step  # else the step's own head is the best: carried once
     with atomic_dir(dest) as tmp:
-        if not (complete and best is not None and best["step"] != step):  # (else final/ is best/'s head: only it)
+        if not (complete and best_apart):  # (a complete run's final/ is best/'s head: only it is carried)
             _bf16_head(checkpoint, tmp)
         shutil.copyfile(checkpoint / TRAINER_STATE, tmp / TRAINER_STATE)
         records = [r for r in read_metrics(train_dir / "metrics.jsonl") if r["step"] <= step]
         # mtime 0 and no name: the same run carries the same bytes (a commit that changes nothing is empty)
         with open(tmp / METRICS_GZ, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records).encode())
-        if best is not None and best["step"] != step:  # else the step's own head is the best: carried once
+        if best_apart:
             _bf16_head(train_dir / BEST, tmp / BEST)
             shutil.copyfile(train_dir / BEST / SELECTED, tmp / BEST / SELECTED)
         record = {"format": CARRY_FORMAT, "step": step, "total_steps": int(state["total_steps"]),
