@@ -69,10 +69,15 @@ def stopped(dump_root, tiny_model_dir, tmp_path_factory):
     one_head = carry_dir.parent / "one_head"
     one_head_record = save_carry(train_dir, one_head,
                                  budget_bytes=record["files"]["model.safetensors"]["bytes"] * 3 // 2)
+    # ... and best/ further back than a carry may rewind: the step's head alone, best/'s left behind
+    no_best = carry_dir.parent / "no_best"
+    no_best_record = save_carry(train_dir, no_best, budget_bytes=record["files"]["model.safetensors"]["bytes"] * 3 // 2,
+                                max_rewind_steps=1)
     weights = load_file(str(ckpt.latest_checkpoint(train_dir) / "model.safetensors"))
     main(as_config(d))  # the same machine: resumed from step-6 exactly
     return SimpleNamespace(overrides=d, train_dir=train_dir, carry=carry_dir, record=record, weights=weights,
-                           one_head=one_head, one_head_record=one_head_record)
+                           one_head=one_head, one_head_record=one_head_record, no_best=no_best,
+                           no_best_record=no_best_record)
 
 
 def test_a_carry_holds_bf16_weights_metrics_and_best_and_no_optimizer(stopped):
@@ -148,6 +153,32 @@ def test_a_carry_over_its_budget_is_taken_at_the_best_heads_checkpoint(dump_root
     # step 4's probe came with the carry, and best/ was rebuilt from the carried head: a selection among 4, 8, 12, 14
     assert [r["step"] for r in read_metrics(train_dir / "metrics.jsonl") if "eval/tau" in r] == [4, 8, 12, 14]
     assert manifest.selected["step"] in (4, 8, 12, 14)
+
+
+def test_a_carry_over_its_budget_with_a_distant_best_leaves_that_head_behind(dump_root, tiny_model_dir, stopped):
+    record = stopped.no_best_record
+    assert (record["step"], record["checkpoint"], record["rewound_steps"]) == (STOP, f"step-{STOP}", 0)
+    assert record["best"] is None and record["best_left_behind"]["step"] == 4 and "best head" in record["left_behind"]
+    assert not any(name.startswith("best/") for name in record["files"])
+    carried = load_file(str(stopped.no_best / "model.safetensors"))  # step 6's head, not step 4's
+    assert all(torch.equal(t, stopped.weights[k].to(t.dtype)) for k, t in carried.items())
+    out = carry_cli("check", str(stopped.no_best))
+    assert out.returncode == 0 and "left behind: the run chooses among the probes after step 6" in out.stdout, \
+        out.stderr
+    d = {**overrides(dump_root, tiny_model_dir, "eagle3", "no_best", select="tau", carry_warmup_steps=WARMUP),
+         "train.carry_from": str(stopped.no_best)}
+    main(as_config(d))
+    train_dir = dump_root / EXPERIMENT / "train" / "no_best"
+    assert sorted(train_losses(train_dir)) == list(range(1, STEPS + 1))  # nothing trained again
+    # step 4's probe stays in the curves, but final/ is chosen among the heads this run has: 8, 12, 14
+    probes = {r["step"]: r["eval/tau"] for r in read_metrics(train_dir / "metrics.jsonl") if "eval/tau" in r}
+    assert sorted(probes) == [4, 8, 12, 14]
+    manifest = TrainManifest.load(train_dir)
+    assert manifest.carries[0]["best_left_behind"]["step"] == 4
+    after = {s: t for s, t in probes.items() if s > STOP}
+    assert manifest.selected["step"] == min(s for s, t in after.items() if t == max(after.values()))
+    best = json.loads((train_dir / ckpt.BEST / ckpt.SELECTED).read_text())
+    assert best == {"step": manifest.selected["step"], "tau": after[manifest.selected["step"]]}
 
 
 def test_a_finished_runs_carry_gives_back_its_head_without_training(dump_root, tiny_model_dir, stopped):

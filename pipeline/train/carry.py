@@ -7,8 +7,9 @@
     <carry dir>/best/                train.select=tau: the best-tau head so far, when it is not the step's own
                                      (a complete run's carry holds this head alone: final/ is made of it)
 
-`python -m pipeline.train.carry save <train dir> <carry dir>` writes one from the train folder's last checkpoint,
-or from the best-tau head's checkpoint when the two heads would exceed the budget (save_carry);
+`python -m pipeline.train.carry save <train dir> <carry dir>` writes one from the train folder's last checkpoint;
+where the two heads would exceed the budget, from the best-tau head's checkpoint if that rewinds a few steps,
+else without the best head (save_carry);
 `train.carry_from=<carry dir>` continues it where the train folder has no checkpoint of its own (a fresh machine);
 `python -m pipeline.train.carry check [--complete] <carry dir>` checks its files and says where it stands.
 
@@ -44,6 +45,9 @@ CARRY_FORMAT = 1
 METRICS_GZ = "metrics.jsonl.gz"
 LEFT_BEHIND = ["optimizer moments", "fp32 weights", "rng states"]
 BUDGET_BYTES = 25_000_000  # a committed head's limit (docs/results/quality.md): a carry stays within one
+# Over the budget, a carry rewinds to the best head's checkpoint when that retrains at most this many steps; further
+# back (a noisy probe's early best), it carries the step's head alone and leaves the best one behind.
+MAX_REWIND_STEPS = 100
 
 
 class CarryError(ManifestError):
@@ -61,13 +65,16 @@ def _bf16_head(src: Path, dest: Path) -> None:
     shutil.copyfile(src / HEAD_CONFIG, dest / HEAD_CONFIG)
 
 
-def save_carry(train_dir: Path, dest: Path, budget_bytes: Optional[int] = BUDGET_BYTES) -> dict:
+def save_carry(train_dir: Path, dest: Path, budget_bytes: Optional[int] = BUDGET_BYTES,
+               max_rewind_steps: Optional[int] = MAX_REWIND_STEPS) -> dict:
     """Writes the carry of `train_dir`'s last checkpoint to `dest` (replaced whole); returns its carry.json.
 
     With train.select=tau the carry holds the best-tau head as well, when that is not the step's own. Where the
-    two heads exceed `budget_bytes` (what one committed head may take) and the best head's checkpoint is still
-    kept, the carry is that checkpoint's instead: one head, and the steps after it (`rewound_steps`) are trained
-    again on the machine that continues it. Where it is no longer kept, both heads are carried, over the budget.
+    two heads exceed `budget_bytes` (what one committed head may take), the carry holds one head:
+    - the best head's checkpoint, when it is still kept and at most `max_rewind_steps` back (None: any): the steps
+      after it (`rewound_steps`) are trained again on the machine that continues it;
+    - else the step's own head: the best one is left behind (`best_left_behind`), and the continued run chooses
+      among the probes after the carry.
     A complete run's carry holds one head, the one its final/ is: nothing trains on from the last step's."""
     train_dir, dest = Path(train_dir), Path(dest)
     checkpoint = latest_checkpoint(train_dir)
@@ -80,16 +87,18 @@ def save_carry(train_dir: Path, dest: Path, budget_bytes: Optional[int] = BUDGET
             or record["complete"]):  # (a complete run's carry holds one head: final/'s)
         return record
     at_best = checkpoint.with_name(f"step-{best['step']}")
-    if at_best not in checkpoint_dirs(train_dir):
-        return record
-    return _write_carry(train_dir, at_best, dest, rewound_steps=record["step"] - best["step"])
+    rewind = record["step"] - best["step"]
+    if at_best in checkpoint_dirs(train_dir) and (max_rewind_steps is None or rewind <= max_rewind_steps):
+        return _write_carry(train_dir, at_best, dest, rewound_steps=rewind)
+    return _write_carry(train_dir, checkpoint, dest, leave_best=True)
 
 
 def carry_bytes(record: dict) -> int:
     return sum(f["bytes"] for f in record["files"].values())
 
 
-def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: int = 0) -> dict:
+def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: int = 0,
+                 leave_best: bool = False) -> dict:
     # the files carried, against the record the run wrote beside its checkpoints: a damaged one is not carried on
     recorded = read_record(train_dir).get(checkpoint.name, {})
     problems = [f"{name}: {problem}" for name, r in recorded.items() if name in (HEAD_WEIGHTS, TRAINER_STATE)
@@ -107,6 +116,9 @@ def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: i
     best = None
     if (train_dir / BEST / SELECTED).exists():
         best = json.loads((train_dir / BEST / SELECTED).read_text())
+    left = None
+    if leave_best and best is not None and best["step"] != step:
+        best, left = None, best
     best_apart = best is not None and best["step"] != step  # else the step's own head is the best: carried once
     with atomic_dir(dest) as tmp:
         if not (complete and best_apart):  # (a complete run's final/ is best/'s head: only it is carried)
@@ -125,7 +137,9 @@ def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: i
                   "train_manifest_sha256": sha256_file(manifest) if complete else None,
                   "checkpoint": checkpoint.name, "rewound_steps": rewound_steps, "weights_dtype": "bfloat16",
                   "best": best,
-                  "left_behind": LEFT_BEHIND, "files": file_digests(tmp)}
+                  # the best head over the budget (save_carry): its probe stays in the metrics, its weights here
+                  "best_left_behind": left,
+                  "left_behind": LEFT_BEHIND + (["best head"] if left else []), "files": file_digests(tmp)}
         (tmp / CARRY).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -173,6 +187,8 @@ def describe(record: dict) -> str:
     rewound = record.get("rewound_steps", 0)
     return (f"step {record['step']} of {record['total_steps']}" + (", complete" if record["complete"] else "") +
             (f", best tau {best['tau']:.3f} at step {best['step']}" if best else "") +
+            (f" (the best head, tau {left['tau']:.3f} at step {left['step']}, left behind: the run chooses among "
+             f"the probes after step {record['step']})" if (left := record.get("best_left_behind")) else "") +
             (f" (the best head's checkpoint: the {rewound} steps after it are trained again)" if rewound else ""))
 
 
@@ -183,14 +199,19 @@ def main(argv: Optional[list] = None) -> None:
     s.add_argument("train_dir", type=Path)
     s.add_argument("dest", type=Path)
     s.add_argument("--budget-mb", type=float, default=BUDGET_BYTES / 1e6,
-                   help="above this the carry is taken at the best head's checkpoint where it is kept (0: no budget)")
+                   help="above this the carry holds one head: the best head's checkpoint where it is kept and near, "
+                        "else the last step's (0: no budget)")
+    s.add_argument("--max-rewind-steps", type=int, default=MAX_REWIND_STEPS,
+                   help="over the budget, rewind to the best head's checkpoint only within this many steps "
+                        "(-1: any)")
     c = sub.add_parser("check", help="check a carry's files and say where it stands")
     c.add_argument("path", type=Path)
     c.add_argument("--complete", action="store_true", help="exit 1 unless it is of a complete run")
     args = p.parse_args(argv)
     try:
         if args.cmd == "save":
-            record = save_carry(args.train_dir, args.dest, None if args.budget_mb == 0 else int(args.budget_mb * 1e6))
+            record = save_carry(args.train_dir, args.dest, None if args.budget_mb == 0 else int(args.budget_mb * 1e6),
+                                None if args.max_rewind_steps < 0 else args.max_rewind_steps)
             print(f"{args.dest}: {describe(record)}, {carry_bytes(record) / 1e6:.1f} MB")
         else:
             record = read_carry(args.path)

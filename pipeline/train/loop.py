@@ -455,7 +455,10 @@ class Trainer:
         how many probes came after it."""
         from .metrics import read_metrics
 
-        probes = [(r["step"], r["eval/tau"]) for r in read_metrics(self.metrics.path) if "eval/tau" in r]
+        # a carry that left the best head behind (carry.py): the probes up to it name heads this run no longer has
+        after = max((c["step"] for c in self.carries if c.get("best_left_behind")), default=-1)
+        probes = [(r["step"], r["eval/tau"]) for r in read_metrics(self.metrics.path)
+                  if "eval/tau" in r and r["step"] > after]
         if not probes:
             return None, 0
         i = max(range(len(probes)), key=lambda k: (probes[k][1], -k))
@@ -587,7 +590,8 @@ class Trainer:
             apply_schedule(self.scheduler, self.lr_schedule, self.step)
         self.carries.append({"step": self.step, "carry": str(path), "carry_sha256": sha256_file(path / carry.CARRY),
                              "complete": record["complete"],
-                             "train_manifest_sha256": record.get("train_manifest_sha256")})
+                             "train_manifest_sha256": record.get("train_manifest_sha256"),
+                             "best_left_behind": record.get("best_left_behind")})
         log.warning("continued the carried run %s (%s): bf16 weights and fresh AdamW moments, the lr ramped again "
                     "over %d steps; not the uninterrupted run (carry.py)", path, carry.describe(record), warmup)
 
