@@ -66,13 +66,12 @@ def stopped(dump_root, tiny_model_dir, tmp_path_factory):
     carry_dir = tmp_path_factory.mktemp("committed") / "first"
     record = save_carry(train_dir, carry_dir)
     # a budget the two heads exceed: the carry is best/'s checkpoint (step-4 is still kept), one head
+    one_head_budget = record["files"]["model.safetensors"]["bytes"] * 3 // 2
     one_head = carry_dir.parent / "one_head"
-    one_head_record = save_carry(train_dir, one_head,
-                                 budget_bytes=record["files"]["model.safetensors"]["bytes"] * 3 // 2)
+    one_head_record = save_carry(train_dir, one_head, budget_bytes=one_head_budget)
     # ... and best/ further back than a carry may rewind: the step's head alone, best/'s left behind
     no_best = carry_dir.parent / "no_best"
-    no_best_record = save_carry(train_dir, no_best, budget_bytes=record["files"]["model.safetensors"]["bytes"] * 3 // 2,
-                                max_rewind_steps=1)
+    no_best_record = save_carry(train_dir, no_best, budget_bytes=one_head_budget, max_rewind_steps=1)
     weights = load_file(str(ckpt.latest_checkpoint(train_dir) / "model.safetensors"))
     main(as_config(d))  # the same machine: resumed from step-6 exactly
     return SimpleNamespace(overrides=d, train_dir=train_dir, carry=carry_dir, record=record, weights=weights,
