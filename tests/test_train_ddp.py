@@ -78,8 +78,9 @@ def test_skip_under_deepspeed_is_refused_by_every_launcher_before_any_step(tmp_p
                                                                            processes):
     """train.on_nonfinite=skip with DeepSpeed asked for by the launcher, not the train config (which TrainConfig's
     own check cannot see): one process and torchrun's two with the variables accelerate sets, and accelerate launch
-    itself with conf/accelerate/deepspeed_zero2.yaml. Every rank refuses in Parallel with the one line, before
-    any row is read or step taken: the train folder holds nothing but the output lock."""
+    itself with conf/accelerate/deepspeed_zero2.yaml. Each rank refuses in Parallel with the one line, before any
+    row is read or step taken: the train folder holds nothing but the output locks. The launcher stops the other
+    ranks at the first rank's exit, so a loaded machine may show one line where two ranks ran (CI, 2026-12-05)."""
     d = overrides(tmp_path, tiny_model_dir, "eagle3", "ds", on_nonfinite="skip", tau_prompts=0)
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                   str(REPO / "conf" / "accelerate" / "deepspeed_zero2.yaml"), "--num_processes", "2"]
@@ -88,6 +89,7 @@ def test_skip_under_deepspeed_is_refused_by_every_launcher_before_any_step(tmp_p
     assert out.returncode != 0
     line = ("eaglet: train: TrainSetupError: train.on_nonfinite=skip cannot run under DeepSpeed (accelerate "
             "launch's DeepSpeed plugin, ACCELERATE_USE_DEEPSPEED=true)")
-    assert out.stderr.count(line) == processes, out.stderr[-3000:]
+    assert 1 <= out.stderr.count(line) <= processes, out.stderr[-3000:]
+    assert out.stderr.count("eaglet: ") == out.stderr.count(line), out.stderr[-3000:]  # nothing else went wrong
     train_dir = tmp_path / EXPERIMENT / "train" / "ds"
     assert {p.name for p in train_dir.iterdir()} <= {f"{LOCK_PREFIX}{r}" for r in range(processes)}
