@@ -126,6 +126,18 @@ def test_the_scaling_table_pairs_heads_by_data_fraction_and_tree(tmp_path):
     assert len(scaling(exp, "mt_bench-n40-T0-m128-bfloat16").splitlines()) == 7  # a longer prefix tells them apart
 
 
+def test_a_row_names_the_tree_eval_chose_not_its_minus_ones():
+    """The quality table's tree column: the tree a run decoded with, also where eval chose it for this device
+    (tree.depth/total_tokens=-1 in the settings, the choice in tree_choice)."""
+    base = {"tau": 1.9, "questions": 40, "questions_done": 40, "turns": 80, "acceptance_by_depth": [0.65, 0.39],
+            "spec_tokens_per_s": 31.4}
+    chosen = {**base, "settings": {"depth": -1, "top_k": 10, "total_tokens": -1, "temperature": 0},
+              "tree_choice": {"depth": 1, "top_k": 10, "total_tokens": 12}}
+    fixed = {**base, "settings": {"depth": 6, "top_k": 10, "total_tokens": 60, "temperature": 0}}
+    assert table.row("eagle3", "mt_bench-n40-T0-m128", chosen).endswith("| 31.4 | chosen: 1, 10, 12 |")
+    assert table.row("eagle3", "mt_bench-n40-T0-m128", fixed).endswith("| 31.4 | 6, 10, 60 |")
+
+
 def test_a_results_store_keeps_complete_runs_and_the_tables_read_it_alone(tmp_path):
     exp, store = tmp_path / "exp", tmp_path / "results"
     run = "mt_bench-n40-T0-m128-bfloat16-tree10x6x60"

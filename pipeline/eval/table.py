@@ -42,7 +42,9 @@ def row(head: str, run: str, s: dict) -> str:
     speed = f"{s['speedup']:.2f}x ({s.get('baseline_turns', s['turns'])} turns)" if "speedup" in s else "-"
     rates = f"{s['spec_tokens_per_s']:.1f}"
     rates += f" / {s['baseline_tokens_per_s']:.1f}" if "baseline_tokens_per_s" in s else ""
-    tree = f"{st['depth']}, {st['top_k']}, {st['total_tokens']}"
+    c = s.get("tree_choice")  # (tree.depth/total_tokens=-1: the tree eval chose on this device)
+    tree = f"chosen: {c['depth']}, {c['top_k']}, {c['total_tokens']}" if c else \
+        f"{st['depth']}, {st['top_k']}, {st['total_tokens']}"
     return (f"| {head} | {run.rsplit('-T', 1)[0]} | {st['temperature']:g} | {done} | {s['turns']} | "
             f"**{s['tau']:.2f}** | {alpha} | {speed} | {rates} | {tree} |")
 
