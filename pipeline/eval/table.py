@@ -34,6 +34,11 @@ def eval_summaries(experiment_dir: Path) -> list[tuple[str, str, dict]]:
     return found
 
 
+def tree_shape(t: dict) -> str:
+    """A tree as the tables write it: "depth, top_k, total_tokens" (a run's settings or eval's tree_choice)."""
+    return f"{t['depth']}, {t['top_k']}, {t['total_tokens']}"
+
+
 def row(head: str, run: str, s: dict) -> str:
     st = s["settings"]
     done = f"{s.get('questions_done', '?')}/{s.get('questions', '?')}"
@@ -43,8 +48,7 @@ def row(head: str, run: str, s: dict) -> str:
     rates = f"{s['spec_tokens_per_s']:.1f}"
     rates += f" / {s['baseline_tokens_per_s']:.1f}" if "baseline_tokens_per_s" in s else ""
     c = s.get("tree_choice")  # (tree.depth/total_tokens=-1: the tree eval chose on this device)
-    tree = f"chosen: {c['depth']}, {c['top_k']}, {c['total_tokens']}" if c else \
-        f"{st['depth']}, {st['top_k']}, {st['total_tokens']}"
+    tree = f"chosen: {tree_shape(c)}" if c else tree_shape(st)
     return (f"| {head} | {run.rsplit('-T', 1)[0]} | {st['temperature']:g} | {done} | {s['turns']} | "
             f"**{s['tau']:.2f}** | {alpha} | {speed} | {rates} | {tree} |")
 
@@ -140,7 +144,7 @@ def scaling_points(experiment_dir: Path, run_prefix: str, kinds=("eagle3", "eagl
         if not m or m["kind"] not in kinds or not (run == run_prefix or run.startswith(run_prefix + "-")):
             continue
         st = s["settings"]
-        tree = "chosen" if "tree_choice" in s else f"{st['depth']}, {st['top_k']}, {st['total_tokens']}"
+        tree = "chosen" if "tree_choice" in s else tree_shape(st)
         key = (float(m["fraction"] or 1), tree)
         if m["kind"] in points.get(key, {}):
             raise ValueError(f"{experiment_dir}/eval/{head}: two runs named {run_prefix}* with tree {tree} "
@@ -190,7 +194,7 @@ def _tau_cell(summary: Optional[dict]) -> str:
     if not summary:
         return "-"
     c = summary.get("tree_choice")
-    return f"{summary['tau']:.2f}" + (f" ({c['depth']}, {c['top_k']}, {c['total_tokens']})" if c else "")
+    return f"{summary['tau']:.2f}" + (f" ({tree_shape(c)})" if c else "")
 
 
 def _plot_scaling(points: dict, kinds, path: Path) -> None:
