@@ -25,6 +25,19 @@ CARD = "README.md"
 KIND_NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa"}
 
 
+def trained_on(train: dict) -> str:
+    """The card's "trained on" line: the machine the steps ran on. A run whose head a fresh machine rebuilt from
+    the complete run's carry (pipeline/train/carry.py: no step trained there) names the carried run's machine,
+    as its carry recorded it (carries older than that record name its manifest), and the machine it was
+    rebuilt on."""
+    machine = train.get("machine") or "an unrecorded machine"
+    last = (train.get("carries") or [{}])[-1]
+    if not (last.get("complete") and last.get("step") == train["counts"]["steps"]):
+        return f"trained on {machine}"
+    origin = last.get("machine") or f"the machine its train manifest {last['train_manifest_sha256'][:12]} names"
+    return f"trained on {origin}; rebuilt on {machine} from its complete carry (no step trained there)"
+
+
 def model_card(head_dir: Path, store: Path) -> str:
     """The model card of `head_dir` (an export's files with its manifest.json beside them, checked against it):
     what the head is, how it was trained (the store's train manifest of the head), every eval of it the store
@@ -81,8 +94,7 @@ def model_card(head_dir: Path, store: Path) -> str:
                   f"- draft vocabulary: the {c.get('draft_vocab_size', '-')} most frequent predicted tokens"
                   f"{coverage}",
                   f"- final weights: {chosen}",
-                  f"- trained on {train.get('machine', 'an unrecorded machine')} in {train.get('precision', '?')}",
-                  ""]
+                  f"- {trained_on(train)} in {train.get('precision', '?')}", ""]
     # A head rebuilt on a fresh machine from its complete run's carry (pipeline/train/carry.py) is that head: the
     # evals of the run it was carried from count too.
     same = {exported} | {c.get("train_manifest_sha256") for c in (train or {}).get("carries", []) if c.get("complete")}

@@ -401,7 +401,7 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
                    counts={"train_rows": 2523, "val_rows": 133, "train_tokens": 2_160_000, "steps": 1728,
                            "world_size": 1, "draft_vocab_size": 200, "coverage": 0.9991},
                    timings={"total_s": 5400}, target=load_target(cfg.target).fingerprint, precision="bfloat16",
-                   selected={"step": 1400, "tau": 2.31, "last_step": 1728}, machine="NVIDIA H200",
+                   selected={"step": 1400, "tau": 2.31, "last_step": 1728}, machine="AMD EPYC, 2 threads",
                    # rebuilt on this machine from the complete carry of a run trained elsewhere (train/carry.py)
                    carries=[{"step": 1728, "complete": True, "train_manifest_sha256": "1" * 64}])
     out = main(cfg)
@@ -434,10 +434,21 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
     assert sha256_file(head_dir / "model.safetensors")[:16] in card
     assert "2,523 conversations, 2,160,000 tokens per epoch, the target's own answers" in card
     assert "step 1400 of 1728, the best decoded tau (2.31) of the probes on 8 validation prompts" in card
-    assert "trained on NVIDIA H200 in bfloat16" in card
+    # the manifest's machine rebuilt the head and trained nothing; a carry older than its machine record names the
+    # carried run's manifest instead
+    assert ("trained on the machine its train manifest 111111111111 names; rebuilt on AMD EPYC, 2 threads from its "
+            "complete carry (no step trained there) in bfloat16") in card
     assert "| eagle3 | mt_bench-n80 | 0 | 80/80 | 160 | **2.40** |" in card and "1.67x (20 turns)" in card
     assert "**9.00**" not in card and "**2.20**" in card and "2 threads" in card
     assert f"--speculative-draft-model-path {head_dir} --speculative-num-steps 6" in card  # served from its folder
+
+    from pipeline.results import trained_on
+    carried = {"counts": {"steps": 1728}, "machine": "AMD EPYC, 2 threads",
+               "carries": [{"step": 1728, "complete": True, "train_manifest_sha256": "1" * 64,
+                            "machine": "NVIDIA H200"}]}
+    assert trained_on(carried).startswith("trained on NVIDIA H200; rebuilt on AMD EPYC, 2 threads")
+    carried["carries"][0]["complete"] = False  # a run carried mid-way and trained on here: this machine's steps
+    assert trained_on(carried) == "trained on AMD EPYC, 2 threads"
 
     manifest = store / "train" / "eagle3" / "manifest.json"  # the store's run is not the exported one
     manifest.write_text(manifest.read_text().replace('"steps": 1728', '"steps": 1729'))

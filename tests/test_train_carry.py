@@ -203,6 +203,8 @@ def test_a_finished_runs_carry_gives_back_its_head_without_training(dump_root, t
     # no restart (nothing trains), and the manifest names the run it was carried from: its evals count for this head
     [carried] = TrainManifest.load(train_dir).carries
     assert carried["complete"] and carried["train_manifest_sha256"] == sha256_file(stopped.train_dir / "manifest.json")
+    # and the machine the carried run trained on (its model card's "trained on"; this machine trained nothing)
+    assert record["machine"] == carried["machine"] == TrainManifest.load(stopped.train_dir).machine is not None
     state = json.loads((ckpt.latest_checkpoint(train_dir) / ckpt.TRAINER_STATE).read_text())
     assert LrSchedule.from_record(state["schedule"]).restarts == ()
 

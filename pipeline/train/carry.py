@@ -112,7 +112,8 @@ def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: i
                          f"portable_identity): continue it here, from its checkpoint, then carry a later one")
     step = int(state["step"])
     manifest = train_dir / MANIFEST  # written after the last checkpoint: the run is complete at this step
-    complete = manifest.is_file() and json.loads(manifest.read_text())["counts"]["steps"] == step
+    run_manifest = json.loads(manifest.read_text()) if manifest.is_file() else None
+    complete = run_manifest is not None and run_manifest["counts"]["steps"] == step
     best = None
     if (train_dir / BEST / SELECTED).exists():
         best = json.loads((train_dir / BEST / SELECTED).read_text())
@@ -135,6 +136,8 @@ def _write_carry(train_dir: Path, checkpoint: Path, dest: Path, rewound_steps: i
                   "complete": complete,
                   # the complete run's manifest: evals of its head count for the head a fresh machine rebuilds
                   "train_manifest_sha256": sha256_file(manifest) if complete else None,
+                  # where the complete run trained: a fresh machine rebuilding its head trains nothing itself
+                  "machine": run_manifest.get("machine") if complete else None,
                   "checkpoint": checkpoint.name, "rewound_steps": rewound_steps, "weights_dtype": "bfloat16",
                   "best": best,
                   # the best head over the budget (save_carry): its probe stays in the metrics, its weights here

@@ -591,6 +591,7 @@ class Trainer:
         self.carries.append({"step": self.step, "carry": str(path), "carry_sha256": sha256_file(path / carry.CARRY),
                              "complete": record["complete"],
                              "train_manifest_sha256": record.get("train_manifest_sha256"),
+                             "machine": record.get("machine"),  # (complete runs': where the head was trained)
                              "best_left_behind": record.get("best_left_behind")})
         log.warning("continued the carried run %s (%s): bf16 weights and fresh AdamW moments, the lr ramped again "
                     "over %d steps; not the uninterrupted run (carry.py)", path, carry.describe(record), warmup)
