@@ -3,6 +3,7 @@ cache) on the SmolLM2 GGUF, answers multi-turn conversations through it with one
 stops it however the run ends; `auto` picks it for a GGUF target on CPU and HF generation otherwise."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -119,6 +120,33 @@ def test_auto_falls_back_to_hf_and_explicit_llamacpp_needs_a_gguf(tmp_path, tiny
         regen_run.main(_cfg(tmp_path, "llamacpp", tiny))
     with pytest.raises(FileNotFoundError, match="make llama-server"):
         regen_run.main(_cfg(tmp_path, "llamacpp", binary=str(tmp_path / "none")))
+
+
+def _store(tmp_path, backend: str) -> str:
+    """An answer store whose answers came from `backend` (its store.json: what auto reads of it)."""
+    from pipeline.regen.answer_store import META
+
+    store = tmp_path / f"answers-{backend}"
+    store.mkdir()
+    (store / META).write_text(json.dumps({"format": 2, "identity": {"generation": {"backend": backend}}}))
+    return str(store)
+
+
+def test_auto_keeps_the_engine_of_its_answer_store(tmp_path, server_binary):
+    """A store's answers restore only into a run of their own engine: `auto` takes the store's (HF here, though
+    llama-server is built), and refuses in one line where that engine cannot run on this machine."""
+    from pipeline.regen.shards import RegenStateError
+
+    cfg = _cfg(tmp_path, "auto")
+    assert regen_run.resolve_backend(cfg) == "llamacpp"
+    assert regen_run.resolve_backend(dataclasses.replace(
+        cfg, regen=dataclasses.replace(cfg.regen, answer_store=_store(tmp_path, "hf")))) == "hf"
+    no_server = _cfg(tmp_path, "auto", binary=str(tmp_path / "none"))
+    store = _store(tmp_path, "llamacpp")
+    with pytest.raises(RegenStateError, match=r"came from the llamacpp backend, which cannot run here \(no "
+                                              r"llama-server at .*make llama-server"):
+        regen_run.resolve_backend(dataclasses.replace(
+            no_server, regen=dataclasses.replace(no_server.regen, answer_store=store)))
 
 
 def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):

@@ -164,6 +164,15 @@ def _load(store_dir: Path) -> tuple[dict, list[dict]]:
     return meta, entries
 
 
+def stored_backend(store_dir: Path) -> Optional[str]:
+    """The regen engine (`generation.backend`) that answered the store's conversations; None where nothing is
+    stored yet."""
+    if not (Path(store_dir) / META).exists():
+        return None
+    meta = json.loads((Path(store_dir) / META).read_text())
+    return ((meta.get("identity") or {}).get("generation") or {}).get("backend")
+
+
 def _write(store_dir: Path, meta: dict, lines: list[dict]) -> dict:
     meta = {**meta, "format": FORMAT, "conversations": len(lines),
             "answer_chars": sum(len(t) for e in lines for t in _texts(e))}

@@ -24,7 +24,7 @@ from pipeline.manifest import FINGERPRINT_KEYS, write_manifest
 from pipeline.regen import answer_store, backends
 from pipeline.regen.batching import Plan, RegenItem, make_plan, read_items
 from pipeline.regen.config import RegenConfig
-from pipeline.regen.shards import RegenDir, sum_stats
+from pipeline.regen.shards import RegenDir, RegenStateError, sum_stats
 from pipeline.regen.stream import FailureWindow, stream_rank
 from pipeline.regen.waves import BatchResult, regen_batch
 
@@ -169,6 +169,16 @@ def resolve_backend(cfg) -> str:
         previous = json.loads(started.read_text()).get("generation", {}).get("backend")
         if previous in backends.names() and previous != "openai":
             return previous
+    # An answer store restores only what its own engine answered: `auto` keeps that engine, and says so where it
+    # cannot run here, rather than answer with another one and have the store refuse every stored conversation.
+    stored = answer_store.stored_backend(Path(rcfg.answer_store)) if rcfg.answer_store else None
+    if stored in backends.names() and stored != "openai":
+        reason = backends.module(stored).unavailable(cfg)
+        if reason is None:
+            return stored
+        raise RegenStateError(f"regen.backend=auto: the answers in regen.answer_store={rcfg.answer_store} came from "
+                              f"the {stored} backend, which cannot run here ({reason}); make it available, or name "
+                              f"regen.backend and another regen.answer_store to answer them afresh")
     for name in backends.AUTO_ORDER.get(resolve_device(cfg.target.device).type, ("hf",)):
         reason = backends.module(name).unavailable(cfg)
         if reason is None:
