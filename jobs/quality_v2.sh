@@ -60,7 +60,10 @@ keep() { python -m pipeline.results save "$OUT" "$RESULTS"; }
 ROW_HEAD=
 carry_row() {
   if [[ -n $ROW_HEAD && -d $OUT/train/$ROW_HEAD/checkpoints ]]; then
-    python -m pipeline.train.carry save "$OUT/train/$ROW_HEAD" "$RESULTS/carry/$ROW_HEAD"
+    # At most CARRY_MB (default 12) in the tree: every GPU-kit device call sends the working tree, and beside the
+    # committed EAGLE-3 head a larger carry leaves too little room per call for the target's GGUF
+    # (tools/gpu/kit.py place_gguf; tests/test_gpu_kit.py). Over it the carry holds one head (pipeline/train/carry.py).
+    python -m pipeline.train.carry save "$OUT/train/$ROW_HEAD" "$RESULTS/carry/$ROW_HEAD" --budget-mb "${CARRY_MB:-12}"
   fi
 }
 trap 'carry_row || true' EXIT  # however the step ends inside a row
