@@ -449,6 +449,8 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
     assert trained_on(carried).startswith("trained on NVIDIA H200; rebuilt on AMD EPYC, 2 threads")
     carried["carries"][0]["complete"] = False  # a run carried mid-way and trained on here: this machine's steps
     assert trained_on(carried) == "trained on AMD EPYC, 2 threads"
+    carried["carries"][0].update(complete=True, machine=None)  # an older carry: the machine git's manifest names
+    assert trained_on(carried, "Intel Xeon (amx_bf16)").startswith("trained on Intel Xeon (amx_bf16); rebuilt on")
 
     manifest = store / "train" / "eagle3" / "manifest.json"  # the store's run is not the exported one
     manifest.write_text(manifest.read_text().replace('"steps": 1728', '"steps": 1729'))
@@ -513,3 +515,28 @@ def test_a_killed_exports_temporary_is_removed_by_the_next_export(tiny_model, tm
     (stale / "model.safetensors").write_bytes(b"half")
     export(make_head(tiny_model), out, "sglang")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sglang"]
+
+
+def test_the_carried_runs_machine_comes_from_the_manifest_git_keeps(tmp_path):
+    """A head rebuilt from an older carry (no machine recorded) replaced its run's train manifest in the store; the
+    card finds the carried run's machine in the version of that manifest whose sha256 the carry names."""
+    from pipeline.results import manifest_machine
+
+    path = tmp_path / "store" / "train" / "eagle3" / "manifest.json"
+    path.parent.mkdir(parents=True)
+
+    def commit(machine: str) -> str:
+        path.write_text(json.dumps({"stage": "train", "machine": machine}))
+        git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", machine], check=True)
+        return sha256_file(path)
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    carried_run = commit("Intel Xeon (amx_bf16)")
+    commit("AMD EPYC (avx512_bf16)")  # the rebuild's manifest, saved over it
+    assert manifest_machine(path, carried_run) == "Intel Xeon (amx_bf16)"
+    assert manifest_machine(path, "0" * 64) is None  # no version of it is the carried run's
+    outside = tmp_path.parent / f"{tmp_path.name}-bare" / "manifest.json"
+    outside.parent.mkdir()
+    assert manifest_machine(outside, carried_run) is None  # not in a git checkout
