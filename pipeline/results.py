@@ -27,17 +27,19 @@ CARD = "README.md"
 KIND_NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa"}
 
 
-def trained_on(train: dict, origin: str | None = None) -> str:
+def trained_on(train: dict, train_path: Path | None = None) -> str:
     """The card's "trained on" line: the machine the steps ran on. A run whose head a fresh machine rebuilt from
     the complete run's carry (pipeline/train/carry.py: no step trained there) names the carried run's machine,
-    as its carry recorded it, else `origin` (carries older than that record: the machine of the carried run's
-    manifest, where git keeps it, manifest_machine), else that manifest; and the machine it was rebuilt on."""
+    as its carry recorded it, else (carries older than that record) the machine of the carried run's manifest
+    where git's history of `train_path` keeps it (manifest_machine), else that manifest; and the machine it was
+    rebuilt on."""
     machine = train.get("machine") or "an unrecorded machine"
     last = (train.get("carries") or [{}])[-1]
     if not (last.get("complete") and last.get("step") == train["counts"]["steps"]):
         return f"trained on {machine}"
-    origin = (last.get("machine") or origin
-              or f"the machine its train manifest {last['train_manifest_sha256'][:12]} names")
+    sha = last["train_manifest_sha256"]
+    origin = (last.get("machine") or (train_path and manifest_machine(train_path, sha))
+              or f"the machine its train manifest {sha[:12]} names")
     return f"trained on {origin}; rebuilt on {machine} from its complete carry (no step trained there)"
 
 
@@ -104,9 +106,6 @@ def model_card(head_dir: Path, store: Path) -> str:
                   f"of the probes on {t.get('tau_prompts')} validation prompts" if selected else "the last step")
         schedule = t["schedule"] + (f" to {t['min_lr_ratio']:g} of the peak" if t.get("min_lr_ratio") else "")
         coverage = f" ({100 * c['coverage']:.2f}% of the predicted tokens)" if "coverage" in c else ""
-        carried = (train.get("carries") or [{}])[-1]
-        origin = (manifest_machine(train_path, carried["train_manifest_sha256"])
-                  if carried.get("train_manifest_sha256") and not carried.get("machine") else None)
         lines += [f"- data: {c['train_rows']:,} conversations, {c.get('train_tokens', 0):,} tokens per epoch, "
                   f"{answers}; {c.get('val_rows', 0)} held out",
                   f"- {t['epochs']} epochs, {c['steps']:,} steps of {t['micro_batch_tokens']:,}-token micro-batches "
@@ -115,7 +114,7 @@ def model_card(head_dir: Path, store: Path) -> str:
                   f"- draft vocabulary: the {c.get('draft_vocab_size', '-')} most frequent predicted tokens"
                   f"{coverage}",
                   f"- final weights: {chosen}",
-                  f"- {trained_on(train, origin)} in {train.get('precision', '?')}", ""]
+                  f"- {trained_on(train, train_path)} in {train.get('precision', '?')}", ""]
     # A head rebuilt on a fresh machine from its complete run's carry (pipeline/train/carry.py) is that head: the
     # evals of the run it was carried from count too.
     same = {exported} | {c.get("train_manifest_sha256") for c in (train or {}).get("carries", []) if c.get("complete")}

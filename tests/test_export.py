@@ -449,8 +449,6 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
     assert trained_on(carried).startswith("trained on NVIDIA H200; rebuilt on AMD EPYC, 2 threads")
     carried["carries"][0]["complete"] = False  # a run carried mid-way and trained on here: this machine's steps
     assert trained_on(carried) == "trained on AMD EPYC, 2 threads"
-    carried["carries"][0].update(complete=True, machine=None)  # an older carry: the machine git's manifest names
-    assert trained_on(carried, "Intel Xeon (amx_bf16)").startswith("trained on Intel Xeon (amx_bf16); rebuilt on")
 
     manifest = store / "train" / "eagle3" / "manifest.json"  # the store's run is not the exported one
     manifest.write_text(manifest.read_text().replace('"steps": 1728', '"steps": 1729'))
@@ -520,7 +518,7 @@ def test_a_killed_exports_temporary_is_removed_by_the_next_export(tiny_model, tm
 def test_the_carried_runs_machine_comes_from_the_manifest_git_keeps(tmp_path):
     """A head rebuilt from an older carry (no machine recorded) replaced its run's train manifest in the store; the
     card finds the carried run's machine in the version of that manifest whose sha256 the carry names."""
-    from pipeline.results import manifest_machine
+    from pipeline.results import manifest_machine, trained_on
 
     path = tmp_path / "store" / "train" / "eagle3" / "manifest.json"
     path.parent.mkdir(parents=True)
@@ -537,6 +535,9 @@ def test_the_carried_runs_machine_comes_from_the_manifest_git_keeps(tmp_path):
     commit("AMD EPYC (avx512_bf16)")  # the rebuild's manifest, saved over it
     assert manifest_machine(path, carried_run) == "Intel Xeon (amx_bf16)"
     assert manifest_machine(path, "0" * 64) is None  # no version of it is the carried run's
+    rebuilt = {"counts": {"steps": 8}, "machine": "AMD EPYC (avx512_bf16)",
+               "carries": [{"step": 8, "complete": True, "train_manifest_sha256": carried_run}]}
+    assert trained_on(rebuilt, path).startswith("trained on Intel Xeon (amx_bf16); rebuilt on AMD EPYC")
     outside = tmp_path.parent / f"{tmp_path.name}-bare" / "manifest.json"
     outside.parent.mkdir()
     assert manifest_machine(outside, carried_run) is None  # not in a git checkout
