@@ -20,7 +20,8 @@
 # eval and train run's results (results/smollm2_quality_v2, `python -m pipeline.results`) and the carry of a row a
 # step stopped in (results/smollm2_quality_v2/carry/<head>, pipeline/train/carry.py). Training is online (the
 # target computes the states in the job; no dump to redo on a fresh machine). A step skips the rows whose evals
-# are there; the tables are built from the store:
+# are there, in whatever precision the machine that ran them computed (`precision=auto`: bf16 on AMX or
+# AVX512-BF16 CPUs, fp32 elsewhere; each run's name says which); the tables are built from the store:
 # `python -m pipeline.eval.table results/smollm2_quality_v2`. A train run stopped mid-way resumes exactly where the
 # machine kept outputs/, and from its carry elsewhere (bf16 weights, fresh optimizer moments, the lr ramped again:
 # the train manifest's `carries` records it).
@@ -93,6 +94,9 @@ row() {
   # A complete run is not trained again: one trained on a lent GPU (python -m tools.gpu.kit unpack) has no
   # checkpoints to resume from. It is reused as it is: after changing a head's recipe, move its train folder away.
   if [[ ! -f $OUT/train/$name/manifest.json ]]; then
+    # A fresh machine has no regen output to train on: the regen stage restores it whole from the committed
+    # answers (answers/smollm2_quality_v2), generating nothing (it checks that their engine, llama-server, is built).
+    if [[ ! -f $OUT/regen/manifest.json ]]; then sharegpt; run stage=regen "${EXP[@]}"; fi
     # shellcheck disable=SC2086
     run stage=train $head $train "${from[@]}" "${EXP[@]}"
   fi

@@ -1,6 +1,7 @@
 """`python -m pipeline.results save|has|card`: the command line of a results store (pipeline/eval/results_store.py),
 which keeps a campaign's complete eval and train runs where `outputs/` does not last. `has` composes the eval's
-config as pipeline.run does, so it asks for exactly the run that `stage=eval` with the same overrides writes.
+config as pipeline.run does, so it asks for exactly the run that `stage=eval` with the same overrides writes (kept in
+this machine's compute precision or, measured on another machine, in its: results_store.kept_as).
 `card` writes the model card (README.md) of a committed head: a copy of an export (its files and manifest) and
 what the store holds about the head (its train run and every eval of it):
 
@@ -144,7 +145,8 @@ def main(argv=None) -> None:
     s = sub.add_parser("save", help="copy an experiment folder's complete eval and train runs into the store")
     s.add_argument("experiment_dir", type=Path)
     s.add_argument("store", type=Path)
-    h = sub.add_parser("has", help="exit 0 if the store holds the complete eval run these overrides name, else 1")
+    h = sub.add_parser("has", help="exit 0 if the store holds the complete eval run these overrides name (in this "
+                                   "machine's precision or another's), else 1")
     h.add_argument("store", type=Path)
     h.add_argument("overrides", nargs="*", help="Hydra overrides, as for pipeline.run stage=eval")
     c = sub.add_parser("card", help="write HEAD_DIR/README.md, the model card of a committed export")
@@ -160,9 +162,10 @@ def main(argv=None) -> None:
         return
     cfg = compose([o for o in args.overrides if not o.startswith("stage=")])
     head, run = cfg.eval_subject, cfg.eval_run_name
-    found = results_store.kept_runs(args.store, head, run)
-    print(f"{args.store}: eval/{head}/{run} {'kept' if run in found else 'not kept'}")
-    sys.exit(0 if run in found else 1)
+    kept = results_store.kept_as(args.store, head, run)
+    said = "not kept" if kept is None else "kept" if kept == run else f"kept as {kept} (another machine's precision)"
+    print(f"{args.store}: eval/{head}/{run} {said}")
+    sys.exit(1 if kept is None else 0)
 
 
 if __name__ == "__main__":

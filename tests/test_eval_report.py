@@ -55,13 +55,43 @@ def test_heads_are_compared_on_the_turns_both_answered(tmp_path):
     assert len(rows) == 3
     # eagle3 on the shared 3 turns: (4 + 2 + 1 + 3 + 3) / 5 forwards; eagle1: (2 + 2 + 2 + 1 + 1) / 5
     cells = [c.strip() for c in rows[2].strip("|").split("|")]
-    assert cells[:3] == ["mt_bench", "0", "3"]
-    ratio, interval = cells[5].split(" ", 1)
-    assert [float(c.strip("*")) for c in (*cells[3:5], ratio)] == pytest.approx([2.6, 1.6, 2.6 / 1.6], abs=5e-3)
+    assert cells[:5] == ["mt_bench", "0", "6, 10, 60", "float32", "3"]
+    ratio, interval = cells[7].split(" ", 1)
+    assert [float(c.strip("*")) for c in (*cells[5:7], ratio)] == pytest.approx([2.6, 1.6, 2.6 / 1.6], abs=5e-3)
     # The paired bootstrap resamples the 2 shared questions, each drawn alone a quarter of the time: question 1
     # (eagle3 4 accepted over 3 forwards, eagle1 3 over 3: 2.33 / 2) and question 2 (3 / 1) bound the interval.
     low, high = (float(x) for x in interval.strip("()").split(","))
     assert (low, high) == pytest.approx((7 / 6, 3.0), abs=5e-3)
+
+
+def test_an_eval_run_in_another_precision_is_the_same_eval_for_the_store_and_the_comparison(tmp_path):
+    """A campaign moves between CPUs whose `precision=auto` differs: EAGLE-3's evals kept in bf16 are not measured
+    again on an fp32 machine, and EAGLE-1's fp32 runs there pair with them, the precision column naming both."""
+    from pipeline.eval.results_store import kept_as, precision_of, without_precision
+
+    bf16, fp32 = "mt_bench-T0-m256-bfloat16-tree10x6x60", "mt_bench-T0-m256-float32-tree10x6x60"
+    assert precision_of(bf16) == "bfloat16" and precision_of("gsm8k-n20-T0") is None
+    assert without_precision(bf16) == without_precision(fp32) == "mt_bench-T0-m256-*-tree10x6x60"
+    assert without_precision("mt_bench-T0-m256-float32-tree10x6x60-tpl-x") != without_precision(fp32)
+    exp = tmp_path / "results"
+    _write(exp / "eval/eagle3" / bf16, {"1": [[3, 1], [0]], "2": [[2, 2]]})
+    _summary(exp / "eval/eagle3" / bf16, 2.0)
+    _write(exp / "eval/eagle3/mt_bench-n40-T0-m128-bfloat16-tree10x6x60", {"1": [[1]]})
+    _summary(exp / "eval/eagle3/mt_bench-n40-T0-m128-bfloat16-tree10x6x60", 2.0)
+    assert kept_as(exp, "eagle3", bf16) == bf16 and kept_as(exp, "eagle3", fp32) == bf16
+    assert kept_as(exp, "eagle3", "mt_bench-T0-m128-float32-tree10x6x60") is None  # another token budget
+    assert kept_as(exp, "eagle3", "mt_bench-T0-m256-float32-tree10x3x8") is None  # another tree
+    assert kept_as(exp, "eagle1", fp32) is None
+    _write(exp / "eval/eagle1" / fp32, {"1": [[1, 1], [1]], "2": [[0, 0]]})
+    _summary(exp / "eval/eagle1" / fp32, 1.6)
+    assert kept_as(exp, "eagle1", bf16) == fp32
+    rows = comparison(exp).splitlines()
+    assert len(rows) == 3  # the n40 run has no EAGLE-1 run in any precision
+    cells = [c.strip() for c in rows[2].strip("|").split("|")]
+    assert cells[:5] == ["mt_bench", "0", "6, 10, 60", "bfloat16 / float32", "3"]
+    assert float(cells[7].split(" ")[0].strip("*")) == pytest.approx(2.6 / 1.6, abs=5e-3)
+    assert table._tree_of("mt_bench-n40-T0-m128-float32-tree10xautoxauto") == "chosen"
+    assert table._tree_of("gsm8k-n20-T0") == "-"
 
 
 def test_a_torn_last_line_is_dropped_and_a_corrupt_middle_line_refused(tmp_path):
@@ -174,10 +204,17 @@ def test_results_has_asks_for_the_run_the_same_overrides_name(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["has", str(tmp_path), *overrides])
     assert e.value.code == 1 and "not kept" in capsys.readouterr().out
+    # Kept by a machine of the other precision: the same eval, not measured again here.
+    mine = "bfloat16" if "-bfloat16-" in cfg.eval_run_name else "float32"
+    other = cfg.eval_run_name.replace(f"-{mine}-", "-float32-" if mine == "bfloat16" else "-bfloat16-")
+    _summary(tmp_path / "eval/abl-base" / other, 1.7)
+    with pytest.raises(SystemExit) as e:
+        main(["has", str(tmp_path), *overrides])
+    assert e.value.code == 0 and f"kept as {other}" in capsys.readouterr().out
     _summary(tmp_path / "eval/abl-base" / cfg.eval_run_name, 1.7)
     with pytest.raises(SystemExit) as e:
         main(["has", str(tmp_path), *overrides])
-    assert e.value.code == 0
+    assert e.value.code == 0 and capsys.readouterr().out.endswith(" kept\n")
     with pytest.raises(SystemExit) as e:  # another tree is another run
         main(["has", str(tmp_path), *overrides, "tree.depth=-1", "tree.total_tokens=-1"])
     assert e.value.code == 1

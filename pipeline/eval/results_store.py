@@ -10,17 +10,25 @@ skips the runs already done and the tables are built from the store alone:
 Its command line is `python -m pipeline.results save|has` (pipeline/results.py).
 
 Only complete runs are kept (an eval with summary.json, a train run with final/): a partial one reruns and resumes
-from `outputs/` where the machine kept it. Gzip is written without a timestamp and compared uncompressed, so
-saving twice changes no byte.
+from `outputs/` where the machine kept it. An eval is kept once, in the compute precision of the machine that ran it
+(named in its run, `...-m256-bfloat16-tree...`): a machine whose `precision=auto` picks another one finds it kept
+(`kept_as`), so a campaign that moves between CPUs never measures an eval twice. Gzip is written without a
+timestamp and compared uncompressed, so saving twice changes no byte.
 """
 from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
 from pipeline.eval.progress import PARTIAL
+from pipeline.precision import DTYPES
+
+# The precision segment of an eval run's name (EvalConfig's run name, pipeline/config.py `eval_run_name`):
+# `<set>[-n<limit>]-T<temperature>-m<tokens>-<precision>-tree<k>x<depth>x<tokens>[...]`.
+_PRECISION = re.compile(r"-(%s)-tree" % "|".join(DTYPES))
 
 
 def _write_if_changed(dest: Path, data: bytes, gzipped: bool = False) -> bool:
@@ -73,3 +81,28 @@ def kept_runs(store: Path, head: str, run_prefix: str, tree: Optional[str] = Non
         if json.loads(summary.read_text()).get("complete", True):
             runs.append(name)
     return runs
+
+
+def precision_of(run: str) -> Optional[str]:
+    """The compute precision an eval run's name holds (`bfloat16` in `mt_bench-T0-m256-bfloat16-tree10x6x60`)."""
+    found = _PRECISION.findall(run)
+    return found[-1] if found else None
+
+
+def without_precision(run: str) -> str:
+    """An eval run's name with its precision segment blanked: the same eval on a machine of another precision."""
+    precision = precision_of(run)
+    if precision is None:
+        return run
+    head, tail = run.rsplit(f"-{precision}-tree", 1)
+    return f"{head}-*-tree{tail}"
+
+
+def kept_as(store: Path, head: str, run: str) -> Optional[str]:
+    """The store's complete run of `head` that is the eval `run` names: `run` itself, else the same eval in another
+    compute precision (the machine that ran it had another one); None if the store holds neither."""
+    kept = kept_runs(store, head, run.rsplit("-T", 1)[0])
+    if run in kept:
+        return run
+    same = [k for k in kept if without_precision(k) == without_precision(run)]
+    return same[0] if same else None

@@ -18,6 +18,7 @@ from typing import Optional
 from pipeline.eval.evaluate import TurnRecord
 from pipeline.eval.progress import PARTIAL, read_answers
 from pipeline.eval.report import tau_of
+from pipeline.eval.results_store import precision_of, without_precision
 
 HEADER = ("| head | question set | T | questions | turns | tau | alpha_1..3 | speedup (CPU) | tokens/s spec / vanilla "
           "| tree (depth, top_k, tokens) |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -76,12 +77,18 @@ def turn_records(run_dir: Path) -> dict[tuple[str, int], TurnRecord]:
 
 
 def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> str:
-    """tau of heads a and b on the turns both answered, per eval run name both heads have, and a / b."""
-    rows = [f"| question set | T | turns both answered | tau {a} | tau {b} | {a} / {b} (95% CI) |",
-            "|---|---|---|---|---|---|"]
+    """tau of heads a and b on the turns both answered, per eval both heads have, and a / b. An eval is paired by
+    its run name, else with the same eval in another compute precision (each run in its machine's; the precision
+    column names both)."""
+    rows = [f"| question set | T | tree | precision | turns both answered | tau {a} | tau {b} | {a} / {b} (95% CI) |",
+            "|---|---|---|---|---|---|---|---|"]
     eval_dir = Path(experiment_dir) / "eval"
     for run_a in sorted((eval_dir / a).glob("*")):
         run_b = eval_dir / b / run_a.name
+        if not run_b.is_dir():
+            same = [r for r in sorted((eval_dir / b).glob("*"))
+                    if without_precision(r.name) == without_precision(run_a.name)]
+            run_b = same[0] if same else run_b
         if not (answers_file(run_a) and answers_file(run_b)):
             continue
         ra, rb = turn_records(run_a), turn_records(run_b)
@@ -92,9 +99,19 @@ def comparison(experiment_dir: Path, a: str = "eagle3", b: str = "eagle1") -> st
         name, rest = run_a.name.rsplit("-T", 1)
         temp = rest.split("-", 1)[0]  # <set>[-n<limit>]-T<temperature>-m<tokens>-<precision>-tree<k>x<d>x<n>
         low, high = paired_tau_ci(ra, rb, ratio=True)
-        rows.append(f"| {name} | {temp} | {len(shared)} | {ta:.2f} | {tb:.2f} | **{ta / tb:.2f}** ({low:.2f}, "
-                    f"{high:.2f}) |")
+        precision = " / ".join(dict.fromkeys(str(precision_of(r.name) or "-") for r in (run_a, run_b)))
+        rows.append(f"| {name} | {temp} | {_tree_of(run_a.name)} | {precision} | {len(shared)} | {ta:.2f} | {tb:.2f} "
+                    f"| **{ta / tb:.2f}** ({low:.2f}, {high:.2f}) |")
     return "\n".join(rows)
+
+
+def _tree_of(run: str) -> str:
+    """The tree an eval run's name holds (`-tree<top_k>x<depth>x<tokens>`), as the tables write it; "chosen" for a
+    tree eval chose on its machine (`-tree10xautoxauto`), "-" for a name without one."""
+    if "-tree" not in run:
+        return "-"
+    top_k, depth, total = (run.rsplit("-tree", 1)[1].split("-")[0].split("x") + ["?", "?"])[:3]
+    return "chosen" if depth == "auto" else f"{depth}, {top_k}, {total}"
 
 
 def paired_taus(ra: dict, rb: dict, resamples: int = 2000, seed: int = 0):
