@@ -23,6 +23,7 @@ from pipeline.eval import results_store
 from pipeline.eval.table import HEADER, eval_summaries, row
 from pipeline.files import sha256_file
 from pipeline.manifest import MANIFEST, check_files
+from pipeline.train.carry import rebuilt_from
 
 CARD = "README.md"
 KIND_NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa"}
@@ -35,8 +36,8 @@ def trained_on(train: dict, train_path: Path | None = None) -> str:
     where git's history of `train_path` keeps it (manifest_machine), else that manifest; and the machine it was
     rebuilt on."""
     machine = train.get("machine") or "an unrecorded machine"
-    last = (train.get("carries") or [{}])[-1]
-    if not (last.get("complete") and last.get("step") == train["counts"]["steps"]):
+    last = rebuilt_from(train)
+    if last is None:
         return f"trained on {machine}"
     sha = last["train_manifest_sha256"]
     origin = (last.get("machine") or (train_path and manifest_machine(train_path, sha))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,6 +208,16 @@ def test_a_finished_runs_carry_gives_back_its_head_without_training(dump_root, t
     assert record["machine"] == carried["machine"] == TrainManifest.load(stopped.train_dir).machine is not None
     state = json.loads((ckpt.latest_checkpoint(train_dir) / ckpt.TRAINER_STATE).read_text())
     assert LrSchedule.from_record(state["schedule"]).restarts == ()
+    # Carried again (a job's stop carries the row it is in): the same carry, byte for byte, never one that names
+    # the rebuilding machine as the one that trained it; elsewhere a copy of it; gone, refused in one line.
+    before = (finished / "carry.json").read_bytes()
+    assert save_carry(train_dir, finished) == record and (finished / "carry.json").read_bytes() == before
+    again = finished.parent / "carried_again"
+    assert save_carry(train_dir, again) == record and (again / "carry.json").read_bytes() == before
+    assert read_carry(again)["files"] == record["files"]
+    shutil.rmtree(finished)
+    with pytest.raises(CarryError, match=r"rebuilt from the complete carry .*finished.*: check it out from git"):
+        save_carry(train_dir, finished.parent / "third")
 
 
 def test_a_carry_of_another_run_or_a_damaged_one_is_refused(dump_root, tiny_model_dir, stopped, tmp_path):

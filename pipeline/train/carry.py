@@ -65,6 +65,28 @@ def _bf16_head(src: Path, dest: Path) -> None:
     shutil.copyfile(src / HEAD_CONFIG, dest / HEAD_CONFIG)
 
 
+def rebuilt_from(manifest: dict) -> Optional[dict]:
+    """The complete carry a run's head was rebuilt from on a fresh machine, where it trained no step itself (its
+    train manifest's last `carries` entry, complete and at the run's last step), else None."""
+    last = (manifest.get("carries") or [{}])[-1]
+    return last if last.get("complete") and last.get("step") == manifest["counts"]["steps"] else None
+
+
+def _carry_again(origin: dict, dest: Path) -> dict:
+    """The carry of a run rebuilt from the complete carry `origin` (a `carries` entry): that carry as it was, never
+    one naming the rebuilding machine as the one that trained it."""
+    source = Path(origin["carry"])
+    for where in (dest, source):
+        if (where / CARRY).is_file() and sha256_file(where / CARRY) == origin["carry_sha256"]:
+            record = read_carry(where)
+            if where != dest:
+                with atomic_dir(dest) as tmp:
+                    shutil.copytree(where, tmp, dirs_exist_ok=True)
+            return record
+    raise CarryError(f"its head was rebuilt from the complete carry {source} (no step trained here), which is not "
+                     f"there as it was (carry.json sha256 {origin['carry_sha256'][:12]}): check it out from git")
+
+
 def save_carry(train_dir: Path, dest: Path, budget_bytes: Optional[int] = BUDGET_BYTES,
                max_rewind_steps: Optional[int] = MAX_REWIND_STEPS) -> dict:
     """Writes the carry of `train_dir`'s last checkpoint to `dest` (replaced whole); returns its carry.json.
@@ -75,8 +97,11 @@ def save_carry(train_dir: Path, dest: Path, budget_bytes: Optional[int] = BUDGET
       after it (`rewound_steps`) are trained again on the machine that continues it;
     - else the step's own head: the best one is left behind (`best_left_behind`), and the continued run chooses
       among the probes after the carry.
-    A complete run's carry holds one head, the one its final/ is: nothing trains on from the last step's."""
+    A complete run's carry holds one head, the one its final/ is: nothing trains on from the last step's. A run whose
+    head was rebuilt from a complete carry carries that carry unchanged (rebuilt_from)."""
     train_dir, dest = Path(train_dir), Path(dest)
+    if (train_dir / MANIFEST).is_file() and (origin := rebuilt_from(json.loads((train_dir / MANIFEST).read_text()))):
+        return _carry_again(origin, dest)
     checkpoint = latest_checkpoint(train_dir)
     if checkpoint is None:
         raise CarryError(f"{train_dir}: no checkpoint to carry (a run writes one every train.save_every steps, on a "
