@@ -262,6 +262,13 @@ class TrainManifest(StageManifest):
     carries: list = dataclasses.field(default_factory=list)
 
 
+def rebuilt_from(train_manifest: dict) -> Optional[dict]:
+    """The complete carry a train run's head was rebuilt from on a fresh machine, where it trained no step itself (the
+    manifest's last `carries` entry, complete and at the run's last step), else None."""
+    last = (train_manifest.get("carries") or [{}])[-1]
+    return last if last.get("complete") and last.get("step") == train_manifest["counts"]["steps"] else None
+
+
 @dataclasses.dataclass
 class EvalManifest(StageManifest):
     STAGE: ClassVar[str] = "eval"

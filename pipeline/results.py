@@ -22,8 +22,7 @@ from pipeline.answers import compose
 from pipeline.eval import results_store
 from pipeline.eval.table import HEADER, eval_summaries, row
 from pipeline.files import sha256_file
-from pipeline.manifest import MANIFEST, check_files
-from pipeline.train.carry import rebuilt_from
+from pipeline.manifest import MANIFEST, check_files, rebuilt_from
 
 CARD = "README.md"
 KIND_NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa"}

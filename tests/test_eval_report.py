@@ -190,6 +190,18 @@ def test_a_results_store_keeps_complete_runs_and_the_tables_read_it_alone(tmp_pa
     assert kept_runs(store, "eagle3", "mt_bench-n40-T0-m128", tree="10x-1x-1") == []
     assert kept_runs(store, "eagle3", "mt_bench-n40-T0-m12") == []  # a prefix ends at a '-'
     assert kept_runs(store, "eagle3-f0.5", "mt_bench-n40-T0-m128") == []  # its run is partial
+    # A fresh machine rebuilt eagle3's head from its complete carry (it trained nothing): the store keeps the run's
+    # own train record; a store that has none takes the rebuilt one (it names the run it was carried from).
+    kept = (store / "train/eagle3/manifest.json").read_bytes()
+    rebuilt = {"counts": {"steps": 10}, "machine": "another CPU",
+               "carries": [{"step": 10, "complete": True, "train_manifest_sha256": "abc", "carry": "c"}]}
+    (exp / "train/eagle3/manifest.json").write_text(json.dumps(rebuilt))
+    assert save(exp, store) == {"eval": [], "train": []}
+    assert (store / "train/eagle3/manifest.json").read_bytes() == kept
+    assert save(exp, tmp_path / "empty")["train"] == ["train/eagle3"]
+    trained_on = {**rebuilt, "carries": [{**rebuilt["carries"][0], "step": 8}]}  # it trained steps 9-10 here
+    (exp / "train/eagle3/manifest.json").write_text(json.dumps(trained_on))
+    assert save(exp, store)["train"] == ["train/eagle3"]
 
 
 def test_results_has_asks_for_the_run_the_same_overrides_name(tmp_path, capsys):

@@ -5,7 +5,8 @@ skips the runs already done and the tables are built from the store alone:
     <store>/eval/<head>/<run>/summary.json                  the eval's summary, as written
     <store>/eval/<head>/<run>/answers.partial.jsonl.gz      its per-turn records (the target's answers, no prompts)
     <store>/train/<head>/manifest.json                      the train manifest (counts, timings, final metrics,
-                                                            the tau-selected step)
+                                                            the tau-selected step; never replaced by a machine
+                                                            that only rebuilt the head from its carry)
 
 Its command line is `python -m pipeline.results save|has` (pipeline/results.py).
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.eval.progress import PARTIAL
+from pipeline.manifest import rebuilt_from
 from pipeline.precision import DTYPES
 
 # The precision segment of an eval run's name (EvalConfig's run name, pipeline/config.py `eval_run_name`):
@@ -63,6 +65,10 @@ def save(experiment_dir: Path, store: Path) -> dict:
         if not (manifest.parent / "final").is_dir():
             continue
         rel = manifest.parent.relative_to(experiment_dir)
+        # A head rebuilt from its complete run's carry trained nothing here: the store keeps that run's own record
+        # (its timings, machine and precision; the manifest a committed export names).
+        if (store / rel / "manifest.json").is_file() and rebuilt_from(json.loads(manifest.read_text())):
+            continue
         if _write_if_changed(store / rel / "manifest.json", manifest.read_bytes()):
             written["train"].append(str(rel))
     return written

@@ -35,7 +35,7 @@ import torch
 
 from pipeline.files import atomic_dir, sha256_file
 from pipeline.heads.io import HEAD_CONFIG, HEAD_WEIGHTS
-from pipeline.manifest import MANIFEST, ManifestError, check_files, file_digests, file_problem
+from pipeline.manifest import MANIFEST, ManifestError, check_files, file_digests, file_problem, rebuilt_from
 
 from .checkpoint import BEST, SELECTED, TRAINER_STATE, checkpoint_dirs, latest_checkpoint, read_record
 from .metrics import read_metrics
@@ -63,13 +63,6 @@ def _bf16_head(src: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     save_file(state, str(dest / HEAD_WEIGHTS), metadata={"format": "pt"})
     shutil.copyfile(src / HEAD_CONFIG, dest / HEAD_CONFIG)
-
-
-def rebuilt_from(manifest: dict) -> Optional[dict]:
-    """The complete carry a run's head was rebuilt from on a fresh machine, where it trained no step itself (its
-    train manifest's last `carries` entry, complete and at the run's last step), else None."""
-    last = (manifest.get("carries") or [{}])[-1]
-    return last if last.get("complete") and last.get("step") == manifest["counts"]["steps"] else None
 
 
 def _carry_again(origin: dict, dest: Path) -> dict:
