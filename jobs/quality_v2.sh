@@ -176,8 +176,8 @@ scaling)
   ;;
 final)
   # Shortest first after the scaling point, so a step that runs out of time has committed whole evals; the 80 x 2
-  # run comes last (EAGLE-3's: 29 min on the 2-core Xeon with AMX; EAGLE-1's ran ~110 s a turn, ~4 h, in fp32 on a
-  # 2-core Zen 3 EPYC without fast bf16).
+  # run comes last (EAGLE-3's: 29 min on the 2-core Xeon with AMX; EAGLE-1's, in fp32 on a 2-core Zen 3 EPYC
+  # without fast bf16: ~110 s a turn with vanilla beside it, ~50 s without, ~2.5-3 h).
   evals=(
     "eval.limit=40 $QUICK_EVAL"                          # the scaling curve's full-data point
     # ... with the tree eval chooses for this CPU, and the speedup it gives (vanilla on 10 of the questions)
