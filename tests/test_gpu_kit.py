@@ -15,8 +15,10 @@ from tools.gpu import kitfiles
 
 @pytest.mark.slow
 def test_gpu_kit_dry_run_passes(tmp_path):
+    # A guard against a hang, not a speed check: the dry run runs the kit's checks on this machine's CPU, and a 2-core
+    # Zen 3 EPYC (no fast bf16, ~8 GB/s of memory) took over 300 s.
     proc = subprocess.run([sys.executable, "-m", "tools.gpu.kit", "--dry-run", "--keep", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     plan = json.loads((REPO / ".gpukit" / "plan.json").read_text())
     assert all(call["bytes"] <= 64 << 20 for call in plan["calls"].values())
