@@ -25,7 +25,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 EXPERIMENT ?= demo
 
-.PHONY: install install-test install-test-python install-llama-cpp install-slurm llama-server engine-vllm engine-openvino demo test test-fast \
+.PHONY: install install-test install-test-python install-slurm llama-server engine-vllm engine-openvino demo test test-fast \
 	lint bench clean-demo
 
 $(CURDIR)/.venv/bin/python:
@@ -48,27 +48,15 @@ endif
 install-test-python: install
 	$(PIP_INSTALL) -e ".[test]"
 
-install-test: install-test-python install-llama-cpp install-slurm llama-server
+install-test: install-test-python install-slurm llama-server
 
-# llama.cpp's server (tests/test_regen_openai.py) compiles from source on install, for this machine's CPU
-# (-march=native) but without llama.cpp's AMX kernels: built by GCC 12 (Debian 12) they load an all-zero
-# tile configuration (the compiler drops the stores that fill it before `ldtilecfg`), and the first
-# multi-token prompt dies with SIGILL on AMX CPUs. Dropping them costs AMX prompt processing only; the
-# AVX512/VNNI kernels stay. tools/llama_cpp_check.py runs a real multi-token chat completion: a build that
-# fails it (say a wheel pip cached before this rule) is rebuilt once without pip's cache.
-LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)')
-install-llama-cpp: install
-	@$(PYTHON) -m tools.llama_cpp_check 2>/dev/null || \
-	  { CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) "llama-cpp-python[server]" && $(PYTHON) -m tools.llama_cpp_check; } || \
-	  { echo "install-llama-cpp: rebuilding llama-cpp-python without pip's cache"; \
-	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP_INSTALL) --no-cache-dir --force-reinstall --no-deps llama-cpp-python && \
-	    $(PYTHON) -m tools.llama_cpp_check; }
-
-# The real llama.cpp server (continuous batching over parallel slots) for regen through the `openai` backend
-# and bench/bench_stages.py (python -m bench.bench_stages): built from the llama.cpp that the pinned llama-cpp-python sdist vendors (one
-# llama.cpp version in the project), for this CPU, with the AMX kernels made safe by tools/patch_llama_cpp.py
-# (4.8x faster prompt processing on AMX CPUs than the build without them).
+# The real llama.cpp server (continuous batching over parallel slots) for regen through the `openai` backend,
+# bench/bench_stages.py and tests/test_regen_openai.py (the one llama.cpp build of an install): built from the
+# llama.cpp that the pinned llama-cpp-python sdist vendors (one llama.cpp version in the project; its GGUF
+# converter serves export.format=gguf), for this CPU, with the AMX kernels made safe by tools/patch_llama_cpp.py
+# (4.8x faster prompt processing on AMX CPUs than the build without them), on every core. The sdist is only
+# downloaded: `--no-binary llama-cpp-python` names that one package, so the build backend pip installs to read
+# its metadata comes as wheels (`--no-binary :all:` built it and its own build tools from source: ~35 min).
 # Built into eaglet's cache (beside the dequantized targets), where `regen.backend=auto` finds it from any
 # working directory and a new clone reuses it. Its sha256 is recorded beside it (llama-server.sha256) as it is
 # installed: regen runs it only while it matches (pipeline/regen/llama_server.py), and a binary without the
@@ -81,7 +69,7 @@ llama-server:
 	@$(MAKE) --no-print-directory $(LLAMA_SERVER).sha256
 $(LLAMA_SERVER).sha256:
 	mkdir -p $(LLAMA_DIR)/src
-	$(PIP) download --no-deps --no-binary :all: -c constraints.txt -d $(LLAMA_DIR)/src llama-cpp-python
+	$(PIP) download --no-deps --no-binary llama-cpp-python -c constraints.txt -d $(LLAMA_DIR)/src llama-cpp-python
 	tar xzf $(LLAMA_DIR)/src/llama_cpp_python-*.tar.gz -C $(LLAMA_DIR)/src
 	$(PYTHON) -m tools.patch_llama_cpp $$(ls -d $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp)
 	cmake -S $$(ls -d $(LLAMA_DIR)/src/llama_cpp_python-*/vendor/llama.cpp) -B $(LLAMA_DIR)/build-amx \

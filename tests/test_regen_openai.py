@@ -1,17 +1,12 @@
-"""regen.backend=openai against a real OpenAI-compatible server: llama.cpp's (llama-cpp-python[server]) serving
-the same SmolLM2 GGUF on 127.0.0.1. A request the server rejects goes to the error file with its reason and
-the run goes on; one that times out after its retries leaves its conversation pending for a rerun."""
+"""regen.backend=openai against a real OpenAI-compatible server: llama.cpp's llama-server (the one `make
+llama-server` builds) serving the same SmolLM2 GGUF on 127.0.0.1, started by hand as a user runs their own. A
+request the server rejects goes to the error file with its reason and the run goes on; one that times out after
+its retries leaves its conversation pending for a rerun."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -22,90 +17,24 @@ from pipeline.data.readers import read_sources
 from pipeline.manifest import load_manifest
 from pipeline.regen import run as regen_run
 from pipeline.regen.config import OpenAIBackendConfig, RegenConfig
+from pipeline.regen.managed_server import free_port
 from pipeline.regen.openai_backend import OpenAIBackend, ServerUnavailable
 from pipeline.regen.shards import regen_sources
 from pipeline.target import TargetConfig, packaged_gguf
-from tools.llama_cpp_check import describe_exit
+from tests.support.served import ServedModel, start_llama_server
 
 N_CTX = 512
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """A llama.cpp server process on 127.0.0.1 and its log. `diagnose()` says whether it is alive or how it
-    died, with the end of its own log: every assertion on a served run carries it, so a server that dies or
-    answers nothing fails the test with its signal and log instead of a wall of connection errors."""
-
-    def __init__(self, proc: subprocess.Popen, log: Path, base_url: str):
-        self.proc, self.log, self.base_url = proc, log, base_url
-
-    def diagnose(self, lines: int = 25) -> str:
-        code = self.proc.poll()
-        state = "is running" if code is None else f"died: {describe_exit(code)}"
-        tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return f"llama.cpp server {state}; the end of its log ({self.log}):\n{tail}"
-
-    def chat(self, content: str, max_tokens: int = 8) -> str:
-        """One real multi-token chat completion at temperature 0 (the readiness probe: a server can list
-        its models and still crash or answer empty on every chat request)."""
-        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0.0}
-        request = urllib.request.Request(self.base_url + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())["choices"][0]["message"]["content"] or ""
-
-    def wait_ready(self, deadline_s: float = 120) -> None:
-        deadline = time.monotonic() + deadline_s
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"llama.cpp server did not start. {self.diagnose()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/models", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"llama.cpp server did not answer /models in {deadline_s:.0f} s. {self.diagnose()}")
-                time.sleep(0.5)
-        try:
-            answer = self.chat("Why do cats purr? Answer in a sentence.")
-        except OSError as e:
-            time.sleep(0.5)  # let a crashing server finish dying, so diagnose() reports its signal
-            pytest.fail(f"llama.cpp server failed a chat completion ({e!r}). {self.diagnose()}")
-        if not answer.strip():
-            pytest.fail(f"llama.cpp server answered a chat completion with no text. {self.diagnose()}")
-
-
 @pytest.fixture(scope="module")
-def llama_server(tmp_path_factory):
-    if importlib.util.find_spec("llama_cpp") is None:
-        message = "llama-cpp-python[server] is not installed (make install-llama-cpp)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+def llama_server(tmp_path_factory, server_binary):
     cfg = TargetConfig()
-    gguf = packaged_gguf(cfg.gguf_package, cfg.gguf_file)
-    port = _free_port()
     log = tmp_path_factory.mktemp("llama_server") / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-             "--n_threads", "2", "--n_ctx", str(N_CTX)], stdout=f, stderr=subprocess.STDOUT)
-    server = LlamaServer(proc, log, f"http://127.0.0.1:{port}/v1")
+    server = start_llama_server(server_binary, packaged_gguf(cfg.gguf_package, cfg.gguf_file), log, N_CTX)
     try:
-        server.wait_ready()
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def _cfg(tmp_path, base_url, rows, name, **openai) -> EagletConfig:
@@ -178,7 +107,7 @@ def test_timeouts_are_retried_then_left_pending_for_a_rerun(tmp_path, llama_serv
 
 
 def test_unreachable_server_fails_fast():
-    cfg = OpenAIBackendConfig(base_url=f"http://127.0.0.1:{_free_port()}/v1", max_retries=1, backoff_s=0.01)
+    cfg = OpenAIBackendConfig(base_url=f"http://127.0.0.1:{free_port()}/v1", max_retries=1, backoff_s=0.01)
     with pytest.raises(ServerUnavailable, match="connection_error"):
         OpenAIBackend(cfg, max_new_tokens=4)
 
@@ -192,7 +121,7 @@ def test_server_probe_reports_the_signal_and_log_of_a_dead_server(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", crash], stdout=f, stderr=subprocess.STDOUT)
     proc.wait(timeout=30)
     with pytest.raises(pytest.fail.Exception, match=r"(?s)died: killed by SIGILL.*loading model"):
-        LlamaServer(proc, log, f"http://127.0.0.1:{_free_port()}/v1").wait_ready(deadline_s=5)
+        ServedModel(proc, log, f"http://127.0.0.1:{free_port()}/v1").wait_ready(deadline_s=5)
 
 
 def test_server_probe_refuses_a_server_that_answers_chat_with_nothing(tmp_path):
@@ -224,7 +153,7 @@ def test_server_probe_refuses_a_server_that_answers_chat_with_nothing(tmp_path):
     log.write_text("serving\n")
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        server = LlamaServer(idle, log, f"http://127.0.0.1:{httpd.server_port}/v1")
+        server = ServedModel(idle, log, f"http://127.0.0.1:{httpd.server_port}/v1")
         with pytest.raises(pytest.fail.Exception, match=r"(?s)no text.*is running.*serving"):
             server.wait_ready(deadline_s=5)
     finally:
