@@ -1,5 +1,5 @@
-"""Shared fixtures: the seeded tiny Llama and its tokenizer (tests/support/tiny.py) for unit tests; the real
-SmolLM2 target for `slow` integration tests."""
+"""Shared fixtures: the seeded tiny Llama and its tokenizer (tests/support/tiny.py) for unit tests, and the tiny
+dump the train tests share (tests/support/tiny_runs.py); the real SmolLM2 target for `slow` integration tests."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.paths import REPO
 from tests.support.tiny import build_tiny_llama, build_tiny_tokenizer
 
 torch.set_num_threads(int(os.environ.get("EAGLET_TEST_THREADS", "2")))
@@ -16,7 +17,6 @@ torch.set_num_threads(int(os.environ.get("EAGLET_TEST_THREADS", "2")))
 # jobs) inherit it.
 os.environ["EAGLET_FAST_BF16"] = "0"
 
-REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
@@ -80,6 +80,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.fail(f"shared datasets not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def dump_root(tmp_path_factory, tiny_model_dir, shared_data) -> Path:
+    """The tiny dump (tests/support/tiny_runs.py), one per test module that trains on it."""
+    from tests.support.tiny_runs import build_tiny_dump
+
+    return build_tiny_dump(tmp_path_factory.mktemp("train"), tiny_model_dir, shared_data)
 
 
 @pytest.fixture(scope="session")

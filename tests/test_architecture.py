@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 # Leaf to root. A unit is a top-level module of pipeline/ or a package of it; it may import units of its own
 # floor or below, never above (and the cycle check below rules out cycles within a floor).

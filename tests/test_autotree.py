@@ -16,8 +16,8 @@ from pipeline.decoding.autotree import StepRecord, calibrate, choose, subtree_ac
 from pipeline.decoding.tree import DraftTree, TreeSpec, build_draft_tree
 from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.manifest import load_manifest
-from test_export import fake_train_stage, make_head, stage_config
-from test_lossless import QUESTIONS, chat_ids, hf_greedy
+from tests.support.decoding import QUESTIONS, chat_ids, hf_greedy
+from tests.support.exports import fake_train_stage, make_head, stage_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

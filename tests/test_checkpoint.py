@@ -4,8 +4,8 @@ background write (train.async_save).
 
 DeepSpeed needs CUDA, so its engine is stood in for by `OneRank(deepspeed=True)`: it saves a pickle under the
 checkpoint's deepspeed/ folder and loads it as DeepSpeed does (torch.load, weights_only=False), so a pickle that
-got past the check would run. The runs of the stage are real (the tiny dump of test_train.py), killed and stopped
-through tests/support/faulty_run.py as in test_train_resume.py."""
+got past the check would run. The runs of the stage are real (the tiny dump of tests/support/tiny_runs.py), killed and
+stopped through tests/support/faulty_run.py as in test_train_resume.py."""
 from __future__ import annotations
 
 import errno
@@ -25,11 +25,11 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train.parallel import DS_TAG
 from pipeline.train.run import main
 from tests.support.holder import Holder
-from tests.test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
+from tests.support.tiny_runs import EXPERIMENT, as_config, overrides, run_cli, train_losses
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-STEPS = 14  # 2 epochs of 7 steps, checkpoints every 4 (tests/test_train.py BASE_TRAIN)
+STEPS = 14  # 2 epochs of 7 steps, checkpoints every 4 (tests/support/tiny_runs.py BASE_TRAIN)
 DS_FILE = f"{DS_TAG}/mp_rank_00_model_states.pt"
 
 
@@ -244,11 +244,6 @@ def test_a_waiting_save_waits_for_the_pending_background_write(tmp_path, tiny_mo
 
 # ---------------------------------------------------------------------------------------------------------
 # real runs of the stage
-
-
-@pytest.fixture(scope="module")
-def dump_root(tmp_path_factory, tiny_model_dir, shared_data):
-    return build_tiny_dump(tmp_path_factory.mktemp("checkpoint"), tiny_model_dir, shared_data)
 
 
 @pytest.fixture(scope="module")

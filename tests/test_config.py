@@ -5,23 +5,13 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from pipeline.config import EagletConfig
 from pipeline.heads import HEADS, head_config
-from pipeline.run import stage_main, to_typed
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def compose_cfg(overrides=()):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-        # ${hydra:...} resolves only inside a Hydra app; set what it would give.
-        cfg.name = cfg.hydra.runtime.choices.get("experiment", "demo")
-        with open_dict(cfg):
-            del cfg["hydra"]
-        return to_typed(cfg)
+from pipeline.run import stage_main
+from tests.support.config import compose_cfg
+from tests.support.paths import REPO
 
 
 def test_compose_defaults_are_typed():

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from test_train import REPO
+from tests.support.paths import REPO
 
 SCRIPT = textwrap.dedent("""
     import atexit, threading, time

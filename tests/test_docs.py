@@ -12,8 +12,8 @@ import pytest
 
 from pipeline.config import EagletConfig
 from pipeline.heads import HEADS, HeadConfig
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 USAGE = REPO / "docs" / "usage.md"
 ROOT_HEADING = "Top level"  # the usage.md heading of EagletConfig's own fields; the others are `section.path`
 README_MAX_LINES = 130

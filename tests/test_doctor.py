@@ -24,9 +24,8 @@ from pipeline.export.doctor import PROBLEM, WARNING, diagnose, fresh_init_eviden
 from pipeline.export.exporter import CONFIG, WEIGHTS
 from pipeline.heads import head_config
 from pipeline.manifest import MANIFEST, file_digests
-from tests.test_export import VERIFIER, fake_train_stage, make_head
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.exports import VERIFIER, fake_train_stage, make_head
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -79,7 +78,7 @@ def target(tiny_model_dir):
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, tiny_model, tiny_model_dir):
     """Good bf16 sglang and vllm exports of one fitted EAGLE-3 head (default layers [2, 4, 5], rope_theta
-    500000 as test_export's heads)."""
+    500000 as tests/support/exports.py's heads)."""
     head = fit(make_head(tiny_model), tiny_model)
     return stage(tmp_path_factory.mktemp("stage"), target_cfg(tiny_model_dir), head, formats=("sglang", "vllm"))
 
@@ -162,7 +161,7 @@ def test_a_good_eagle1_export_is_healthy_and_its_embedding_is_held_to_the_target
 def test_a_bare_export_is_held_to_its_own_config_and_the_init_criterion(tiny_model, target, tmp_path):
     """No manifest, so no training checkpoint: the static checks still run, and an untrained head (every matrix a
     fresh draw) is named tensor by tensor."""
-    from tests.test_export import export
+    from tests.support.exports import export
 
     good = export(fit(make_head(tiny_model), tiny_model), tmp_path / "good", "sglang", torch.bfloat16)
     diagnosis = diagnose(good, target)
@@ -467,7 +466,7 @@ def test_a_gguf_export_is_read_back_with_gguf_py_and_held_to_the_training_forwar
     EAGLE-3.1 config in that folder is named, llama.cpp having no such norms."""
     from pipeline.export.formats import ExportError
     from pipeline.export.formats.gguf import llama_cpp_source
-    from tests.test_export_gguf import smollm2_head
+    from tests.support.gguf import smollm2_head
 
     try:
         llama_cpp_source()

@@ -22,24 +22,7 @@ from pipeline.hidden_states.plan import TokenizedSample, plan_batches, plan_shar
 from pipeline.hidden_states.reader import DumpReader, verify_dump
 from pipeline.manifest import ManifestError, load_manifest, write_manifest
 from pipeline.target import TargetConfig, load_target
-
-WORDS = ("draft head verifies tokens the target accepts tree branch layer state cache shard batch "
-         "residual stream norm logits rank resume").split()
-
-
-def make_conversation(i: int) -> list[dict]:
-    rng = random.Random(i)
-    question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 25)))
-    answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60)))
-    return [{"role": "user", "content": f"Question {i}: {question}?"}, {"role": "assistant", "content": answer}]
-
-
-def make_samples(tokenizer, n: int) -> list[TokenizedSample]:
-    out = []
-    for i in range(n):
-        tok = tokenize_conversation(tokenizer, make_conversation(i), max_length=512)
-        out.append(TokenizedSample(f"conv-{i}", tok.input_ids, tok.loss_mask))
-    return out
+from tests.support.dump_samples import make_conversation, make_samples
 
 
 @pytest.fixture(scope="module")

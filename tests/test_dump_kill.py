@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO
-from test_dump import make_samples
+from tests.support.dump_samples import make_samples
+from tests.support.paths import REPO
 
 CHILD = r"""
 import json, os, signal, sys

@@ -12,7 +12,7 @@ from pipeline.config import EagletConfig
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.sizing import disk, memory_per_rank, target_parameters
 from pipeline.manifest import load_manifest
-from test_train import EXPERIMENT, tiny_data, tiny_target
+from tests.support.tiny_runs import EXPERIMENT, tiny_data, tiny_target
 
 
 def dump_config(root, model_dir, shared_data, **dump) -> EagletConfig:

@@ -23,7 +23,7 @@ from pipeline.hidden_states.shards import VERIFIED_DIR, load_verified, record_ve
 from pipeline.manifest import ManifestError, load_manifest
 from pipeline.target import TargetConfig, load_target_parts
 from pipeline.train.run import main as train_main
-from tests.test_train import EXPERIMENT, as_config, build_tiny_dump, overrides
+from tests.support.tiny_runs import EXPERIMENT, as_config, build_tiny_dump, overrides
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -13,8 +13,8 @@ from pipeline.export.exporter import check_export, load_export, max_logit_diff
 from pipeline.heads.config import DraftHeadConfig
 from pipeline.heads.losses import align_batch
 from pipeline.heads.ttt import ttt_forward
-from test_export import export, head_logits, make_head, prompts, read_config
-from test_lossless import QUESTIONS, chat_ids, hf_greedy
+from tests.support.decoding import QUESTIONS, chat_ids, hf_greedy
+from tests.support.exports import export, head_logits, make_head, prompts, read_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BOTH = dict(fc_norm=True, norm_output=True)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, DynamicCache, LlamaConfig
 
-from pipeline.config import EagletConfig, TargetConfig
 from pipeline.decoding.decoder import generate, target_forward, vanilla_generate
 from pipeline.decoding.drafter import EagleDrafter
 from pipeline.export import formats as fmts
@@ -32,17 +31,24 @@ from pipeline.export.exporter import (
 )
 from pipeline.export.formats.sglang import sglang_captured_layers, sglang_layers_agree
 from pipeline.files import sha256_file
-from pipeline.heads import build_draft_head, default_aux_layer_ids, head_config
+from pipeline.heads import build_draft_head, default_aux_layer_ids
 from pipeline.heads.config import DraftHeadConfig
-from pipeline.heads.io import save_head
 from pipeline.heads.vocab import vocab_from_ids
 from pipeline.manifest import load_manifest, write_manifest
-
-REPO = Path(__file__).resolve().parents[1]
-ROPE_THETA = 500000.0  # not the 10000 default: the config must carry the value the head was trained with
-DRAFT_VOCAB = 100
-VERIFIER = "org/tiny-llama"
-NUM_LAYERS = 8  # the tiny target's; default aux layers [2, 4, 5]
+from tests.support.exports import (
+    DRAFT_VOCAB,
+    NUM_LAYERS,
+    ROPE_THETA,
+    VERIFIER,
+    export,
+    fake_train_stage,
+    head_logits,
+    make_head,
+    prompts,
+    read_config,
+    stage_config,
+)
+from tests.support.paths import REPO
 
 # The issue's tensor lists, written out independently of pipeline/export/formats/.
 ATTN = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
@@ -56,35 +62,6 @@ EAGLE1_TENSORS = {f"layers.0.{n}" for n in ATTN + MLP + ["post_attention_layerno
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def make_head(target, kind: str = "eagle3", aux_layer_ids=None, fc_bias: bool = False, seed: int = 0, **options):
-    """A random head for `target` with non-trivial norms, biases and draft vocabulary, so that any swapped,
-    missing or re-initialized tensor changes the logits. `options`: DraftHeadConfig flags (EAGLE-3.1's)."""
-    cfg = DraftHeadConfig.from_target(target.config, kind, draft_vocab_size=None if kind == "eagle1" else DRAFT_VOCAB,
-                                      aux_layer_ids=aux_layer_ids, rope_theta=ROPE_THETA, fc_bias=fc_bias, **options)
-    torch.manual_seed(seed)
-    head = build_draft_head(cfg)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-    head.copy_from_target(target)
-    if kind == "eagle3":
-        kept = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB]
-        head.set_draft_vocab(*vocab_from_ids(kept, cfg.vocab_size))
-    return head.eval()
-
-
-def export(head, path: Path, fmt: str, dtype=torch.float32, **kw) -> Path:
-    return export_head(head, path, fmt, dtype, num_target_layers=NUM_LAYERS, verifier=VERIFIER,
-                       verifier_architectures=["LlamaForCausalLM"], **kw)
-
-
-def read_config(path: Path) -> dict:
-    return json.loads((path / CONFIG).read_text())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -266,21 +243,6 @@ def test_unservable_aux_layers_are_refused(tiny_model, tmp_path, layers, message
 # loading back into eaglet's decoder
 
 
-def prompts(vocab: int, n: int = 3, length: int = 12) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(3, vocab, (length,), generator=gen) for _ in range(n)]
-
-
-@torch.no_grad()
-def head_logits(head, target, prompt: torch.Tensor) -> torch.Tensor:
-    """Logits of the head over a prompt, fed the target's real states (the decoder's prefill)."""
-    layers = tuple(head.config.aux_layer_ids) or (-1,)
-    _, states = target_forward(target, prompt[None], DynamicCache(config=target.config), layers)
-    hidden = head.fuse(states[None])
-    _, logits = head(hidden, prompt[None].roll(-1, dims=1), torch.arange(len(prompt))[None])
-    return logits
-
-
 @pytest.mark.parametrize("fmt,kind,fc_bias", [("sglang", "eagle3", False), ("vllm", "eagle3", False),
                                               ("eagle1", "eagle1", False), ("eagle1", "eagle1", True)])
 def test_fp32_export_loads_back_with_exactly_the_checkpoint_logits(tiny_model, tmp_path, fmt, kind, fc_bias):
@@ -337,23 +299,6 @@ def test_bf16_export_gives_the_same_greedy_tau(tiny_model, tmp_path, distilled_h
 
 # ---------------------------------------------------------------------------------------------------------
 # the stage
-
-
-def stage_config(root: Path, model_dir: Path, kind: str = "eagle3", **export_kw) -> EagletConfig:
-    target = TargetConfig(name="tiny", path=str(model_dir), gguf_package=None, gguf_file=None, hub_id=VERIFIER)
-    return EagletConfig(stage="export", name="t", output_root=str(root), target=target,
-                        head=head_config(kind), export=ExportConfig(**export_kw))
-
-
-def fake_train_stage(cfg: EagletConfig, head) -> Path:
-    """A completed train stage: final/ head and a manifest naming this target."""
-    from pipeline.target import load_target
-
-    train_dir = cfg.stage_dir("train")
-    save_head(head, train_dir / "final")
-    write_manifest(train_dir, "train", config={}, counts={}, timings={},
-                   target=load_target(cfg.target).fingerprint)
-    return train_dir
 
 
 def test_stage_exports_verifies_and_prints_the_serve_commands(tiny_model, tiny_model_dir, tmp_path, capsys):

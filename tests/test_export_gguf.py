@@ -18,9 +18,8 @@ from safetensors.torch import load_file
 from pipeline.export.exporter import export_head, load_export, max_logit_diff, read_config
 from pipeline.export.formats import ExportError
 from pipeline.export.formats.gguf import GGUF_FILE, gguf_problems, llama_cpp_source
-from pipeline.heads import DraftHeadConfig, build_draft_head
-from pipeline.heads.vocab import vocab_from_ids
 from pipeline.target import TargetConfig, load_target_parts, resolve_source
+from tests.support.gguf import smollm2_head, to_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
@@ -33,27 +32,6 @@ def converter():
         return llama_cpp_source()
     except ExportError as e:
         pytest.fail(str(e))  # make test unpacks it with llama-server: never a silent skip
-
-
-def smollm2_head(smollm2, layers=None) -> torch.nn.Module:
-    """A random EAGLE-3 head for SmolLM2 with non-trivial norms and an 8k draft vocabulary."""
-    config = smollm2.model.config
-    torch.manual_seed(0)
-    head = build_draft_head(DraftHeadConfig.from_target(config, "eagle3", draft_vocab_size=8000, aux_layer_ids=layers))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    head.copy_from_target(smollm2.model)
-    kept = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(0))[:8000]
-    head.set_draft_vocab(*vocab_from_ids(kept, config.vocab_size))
-    return head.eval()
-
-
-def to_gguf(head, out: Path, smollm2, dtype=torch.bfloat16) -> Path:
-    return export_head(head, out, "gguf", dtype, num_target_layers=smollm2.model.config.num_hidden_layers,
-                       verifier="HuggingFaceTB/SmolLM2-135M-Instruct", verifier_architectures=["LlamaForCausalLM"],
-                       target_dir=str(smollm2.source))
 
 
 def test_a_head_with_custom_layers_converts_and_reads_back_exactly(smollm2, converter, tmp_path):
@@ -134,7 +112,7 @@ def stage_export(smollm2, converter, tmp_path_factory):
     from pipeline.export.config import ExportConfig
     from pipeline.export.run import main
     from pipeline.heads import head_config
-    from tests.test_export import fake_train_stage
+    from tests.support.exports import fake_train_stage
 
     cfg = EagletConfig(stage="export", name="t", output_root=str(tmp_path_factory.mktemp("stage")),
                        head=head_config("eagle3"), export=ExportConfig(format="gguf"))
@@ -170,7 +148,7 @@ def test_llama_server_drafts_with_the_export_and_keeps_its_greedy_output(stage_e
 
 def test_an_eagle31_head_is_refused_before_any_conversion(tiny_model, tmp_path):
     """llama.cpp's EAGLE-3 draft has no per-state norms: such a head would load and draft as a plain EAGLE-3."""
-    from tests.test_export import make_head
+    from tests.support.exports import make_head
 
     head = make_head(tiny_model, fc_norm=True, norm_output=True)
     with pytest.raises(ExportError, match="no EAGLE-3.1 norms"):

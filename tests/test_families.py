@@ -22,8 +22,8 @@ from pipeline.families import FAMILIES as RECORDS
 from pipeline.families import Attention, FinalNorm, attention_layer_types, family_of
 from pipeline.manifest import load_manifest
 from pipeline.run import run_stages
-from test_config import compose_cfg
-from test_lossless import hf_greedy
+from tests.support.config import compose_cfg
+from tests.support.decoding import hf_greedy
 from tests.support.families import FAMILIES, build_family
 from tests.support.oracle_drafter import OracleDrafter
 

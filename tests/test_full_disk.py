@@ -18,10 +18,10 @@ from pipeline.files import sha256_file
 from pipeline.manifest import MANIFEST, disk_full
 from pipeline.regen.run import main as regen_main
 from pipeline.train.run import main as train_main
-from tests.test_integrity import DUMP, train_cfg
-from tests.test_regen import _cfg as regen_cfg
-from tests.test_regen import _records
-from tests.test_train import EXPERIMENT, build_tiny_dump, overrides, run_cli
+from tests.support.integrity import DUMP, train_cfg
+from tests.support.regen import _cfg as regen_cfg
+from tests.support.regen import _records
+from tests.support.tiny_runs import EXPERIMENT, build_tiny_dump, overrides, run_cli
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from tests.support.paths import REPO
 from tools.gpu import kitfiles
 
 

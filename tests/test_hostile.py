@@ -21,10 +21,10 @@ from pipeline.data.readers import read_sources
 from pipeline.manifest import ManifestError, load_manifest
 from pipeline.run import is_user_error
 from pipeline.target import TargetConfig, TargetError, load_target
-from test_config import compose_cfg
-from test_readers import _read, _sg, _write_jsonl
+from tests.support.config import compose_cfg
+from tests.support.paths import REPO
+from tests.support.readers import _read, _sg, _write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
@@ -343,7 +343,7 @@ def test_a_head_trained_for_another_target_is_refused_naming_both(tiny_model, ti
                                                                    tmp_path):
     from pipeline.eval.subjects import build_drafter
     from pipeline.export.run import main as export_main
-    from test_export import fake_train_stage, make_head, stage_config
+    from tests.support.exports import fake_train_stage, make_head, stage_config
     from tests.support.tiny import build_tiny_llama
 
     cfg = stage_config(tmp_path, tiny_model_dir)

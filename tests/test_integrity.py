@@ -2,7 +2,7 @@
 the manifest (opt-out train.verify_inputs=false), resumed checkpoints, trained heads and exports are checked
 against the digests recorded when they were written, a non-finite hidden state, loss or gradient stops
 training with the step, shard and row (or is skipped and counted), and a head with non-finite weights is
-refused on load. Each on the tiny dump of test_train.py, through the real stage functions."""
+refused on load. Each on the tiny dump of tests/support/tiny_runs.py, through the real stage functions."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,10 +22,10 @@ from pipeline.manifest import MANIFEST, ManifestError, file_digests, load_manife
 from pipeline.target import load_target
 from pipeline.train.loop import NonFiniteError
 from pipeline.train.run import main as train_main
-from tests.test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, tiny_target
+from tests.support.integrity import DUMP, train_cfg
+from tests.support.tiny_runs import EXPERIMENT, build_tiny_dump, tiny_target
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-DUMP = {"shard_bytes": 1 << 20}  # about 4 shards
 
 
 @pytest.fixture
@@ -38,11 +38,6 @@ def root(dump_root_once, tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def dump_root_once(tmp_path_factory, tiny_model_dir, shared_data) -> Path:
     return build_tiny_dump(tmp_path_factory.mktemp("integrity"), tiny_model_dir, shared_data, **DUMP)
-
-
-def train_cfg(root: Path, model_dir: Path, name: str = "h", **train):
-    train = {"epochs": 1, "save_every": 0, "eval_every": 0, "tau_prompts": 0, "plot": False, **train}
-    return as_config(overrides(root, model_dir, "eagle3", name, **train))
 
 
 def flip_byte(path: Path, at: float = 0.5) -> None:
@@ -218,8 +213,8 @@ def test_in_deepspeed_order_a_nan_update_stops_the_run_before_a_checkpoint_holds
 def test_the_dump_refuses_a_changed_regen_shard(tmp_path, tiny_model_dir):
     from pipeline.hidden_states.run import main as dump_main
     from pipeline.regen.run import main as regen_main
-    from tests.test_regen import _cfg as regen_cfg
-    from tests.test_regen import _records
+    from tests.support.regen import _cfg as regen_cfg
+    from tests.support.regen import _records
 
     source = tmp_path / "input.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in _records()))

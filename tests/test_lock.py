@@ -18,9 +18,9 @@ import pytest
 
 from pipeline.dist import RankInfo
 from pipeline.lock import HELD_SUFFIX, LOCK_PREFIX, OutputLock, OutputLocked
-from tests.test_train import EXPERIMENT, overrides, run_cli
+from tests.support.paths import REPO
+from tests.support.tiny_runs import EXPERIMENT, overrides, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
 HOLDER = ["-m", "tests.support.lock_holder"]  # run from the repository root (cwd=REPO)
 
 

@@ -13,8 +13,8 @@ from pipeline.decoding.decoder import generate
 from pipeline.decoding.lookup import PromptLookupDrafter
 from pipeline.decoding.tree import TreeSpec
 from pipeline.run import run_stages
-from test_config import compose_cfg
-from test_lossless import QUESTIONS, chat_ids, hf_greedy
+from tests.support.config import compose_cfg
+from tests.support.decoding import QUESTIONS, chat_ids, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

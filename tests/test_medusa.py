@@ -20,8 +20,8 @@ from pipeline.heads.medusa import MedusaObjective
 from pipeline.heads.vocab import vocab_from_ids
 from pipeline.target import load_target
 from pipeline.train.run import main as train_main
-from test_lossless import QUESTIONS, chat_ids, hf_greedy
-from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, train_losses
+from tests.support.decoding import QUESTIONS, chat_ids, hf_greedy
+from tests.support.tiny_runs import EXPERIMENT, as_config, build_tiny_dump, overrides, train_losses
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

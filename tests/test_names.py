@@ -16,8 +16,7 @@ from pipeline.eval.config import EvalConfig
 from pipeline.files import NAME_RULE, check_inside, check_name, safe_name
 from pipeline.heads import head_config
 from pipeline.run import run_stages, to_typed
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 # What a hostile name tries: an absolute path, climbing out with `..`, a slash inside.
 HOSTILE = ["/etc/cron.d", "..", "../../victim", "a/b", "", ".hidden", "x" * 201, "a b", "-rf"]

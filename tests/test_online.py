@@ -27,7 +27,15 @@ from pipeline.train.data import collate
 from pipeline.train.loop import build_objective
 from pipeline.train.metrics import read_metrics
 from pipeline.train.online import OnlineRows
-from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, tiny_data, train_losses
+from tests.support.tiny_runs import (
+    EXPERIMENT,
+    build_tiny_dump,
+    online_cli,
+    online_config,
+    overrides,
+    run_cli,
+    train_losses,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -39,20 +47,6 @@ def dumps(tmp_path_factory, tiny_model_dir, shared_data):
                             max_batch_size=1)
     batched = build_tiny_dump(tmp_path_factory.mktemp("batched"), tiny_model_dir, shared_data, rows=12)
     return alone, batched
-
-
-def online_config(root: Path, model_dir: Path, shared_data: Path, **train):
-    """A train config reading the tiny dump's conversations (dump.input=data) under `root`."""
-    cfg = as_config(overrides(root, model_dir, "eagle3", "p", **train))
-    cfg.dump = dataclasses.replace(cfg.dump, input="data")
-    cfg.data = tiny_data(shared_data, rows=12)
-    return cfg
-
-
-def online_cli(shared_data: Path) -> dict:
-    """The overrides that make a `run_cli` train run online on the tiny dump's conversations."""
-    return {"train.source": "online", "dump.input": "data", "data.name": "tiny", "data.max_length": 96,
-            "data.sources": f"[{{path: {shared_data}/alpaca_en_demo/alpaca_en_demo.json, limit: 48}}]"}
 
 
 def rows_and_reader(root: Path, model_dir: Path, shared_data: Path):

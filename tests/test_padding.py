@@ -14,7 +14,7 @@ from pipeline.heads.layers import padded_causal_mask
 from pipeline.heads.losses import align_batch, eagle1_loss
 from pipeline.heads.medusa import MedusaObjective
 from pipeline.heads.vocab import vocab_from_ids
-from test_heads import VOCAB, H, make_head, tiny_config
+from tests.support.heads import VOCAB, H, make_head, tiny_config
 
 LENGTHS = [9, 6, 4]
 T = 9

@@ -12,8 +12,7 @@ import pytest
 
 from pipeline.eval.table import table
 from pipeline.manifest import load_manifest
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def run_cli(args: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,25 +10,11 @@ from pipeline.data import readers
 from pipeline.data.bad_records import BAD_REASONS, BadRecordError, BadRecordReport
 from pipeline.data.config import DataConfig, SourceConfig
 from pipeline.data.readers import read_source, read_sources
-
-
-def _write_jsonl(path: Path, rows: list) -> Path:
-    """rows: dicts (dumped) or raw strings (written verbatim, to make broken lines)."""
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def _read(path, report=None, **kw) -> tuple[list[dict], BadRecordReport]:
-    report = report if report is not None else BadRecordReport()
-    return list(read_source(SourceConfig(path=str(path), **kw), report)), report
+from tests.support.readers import _read, _sg, _write_jsonl
 
 
 def _msgs(*pairs) -> list[dict]:
     return [{"role": r, "content": c} for r, c in pairs]
-
-
-def _sg(*turns, **extra) -> dict:
-    return {**extra, "conversations": [{"from": f, "value": v} for f, v in turns]}
 
 
 # --- formats -----------------------------------------------------------------------------------------------

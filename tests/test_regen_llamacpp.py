@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import signal
 import socket
@@ -15,31 +14,11 @@ import time
 
 import pytest
 
-from conftest import REPO
-from pipeline.config import EagletConfig
-from pipeline.data.config import DataConfig
 from pipeline.manifest import load_manifest
 from pipeline.regen import run as regen_run
-from pipeline.regen.config import LlamaCppConfig, RegenConfig
 from pipeline.target import TargetConfig
-
-ROWS = [
-    {"question_id": "mt", "turns": ["Name a fruit.", "What colour is it?", "And its taste?"]},
-    {"id": "cats", "conversations": [{"from": "human", "value": "Why do cats purr?"},
-                                     {"from": "gpt", "value": "ORIGINAL"}]},
-    {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}]},
-]
-
-
-
-def _cfg(tmp_path, backend: str, target: TargetConfig = None, **llamacpp) -> EagletConfig:
-    source = tmp_path / "convs.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return EagletConfig(name=f"llamacpp-{backend}", output_root=str(tmp_path / "out"),
-                        target=target or TargetConfig(device="cpu"), data=DataConfig(sources=[str(source)]),
-                        regen=RegenConfig(backend=backend, batch_size=3, batches_per_shard=1, max_new_tokens=16,
-                                          progress=False, llamacpp=LlamaCppConfig(slots=2, ctx_per_slot=1024,
-                                                                                  **llamacpp)))
+from tests.support.llamacpp_regen import _cfg
+from tests.support.paths import REPO
 
 
 def _listening(port: int) -> bool:
@@ -65,14 +44,14 @@ def test_a_killed_regen_takes_its_server_down(tmp_path, server_binary):
     """kill -9 skips regen's cleanup; the server still goes (the kernel signals it when its parent dies)."""
     script = ("import sys, time\n"
               "from pathlib import Path\n"
-              "from test_regen_llamacpp import _cfg\n"
+              "from tests.support.llamacpp_regen import _cfg\n"
               "from pipeline.regen import run\n"
               "from pipeline.regen.openai_backend import OpenAIBackend\n"
               "OpenAIBackend.complete = lambda self, request: time.sleep(3600)  # a request that never returns\n"
               "run.main(_cfg(Path(sys.argv[1]), 'llamacpp'))\n")
-    tests_first = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    # the script imports tests.support.llamacpp_regen, from the repository root (cwd)
     child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": tests_first})
+                             stderr=subprocess.DEVNULL)
     log = tmp_path / "out" / "llamacpp-llamacpp" / "regen" / "llama-server.rank0.log"
     deadline, port = time.monotonic() + 120, None
     while port is None and time.monotonic() < deadline and child.poll() is None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 from pipeline.config import EagletConfig
 from pipeline.data.config import DataConfig
 from pipeline.manifest import load_manifest
@@ -24,6 +23,7 @@ from pipeline.regen.config import RegenConfig
 from pipeline.regen.managed_server import process_tree
 from pipeline.regen.vllm_server import VLLMConfig, VLLMServer, find_vllm, server_dtype, venv_path
 from pipeline.target import TargetConfig
+from tests.support.paths import REPO
 
 ROWS = [
     {"question_id": "mt", "turns": ["Name a fruit.", "What colour is it?"]},

@@ -20,8 +20,8 @@ import pytest
 from pipeline.lock import OutputLock
 from pipeline.manifest import load_manifest, write_manifest
 from pipeline.redact import MASK, RedactingFilter, redact, redact_argv, redact_text, redact_url, secret_name
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SECRETS = ("SECRET1", "SECRET2", "SECRET3", "SECRET4", "SECRET5", "SECRET6", "SECRET7")
 BASIC = base64.b64encode(b"alice:SECRET1").decode()
 

@@ -14,12 +14,12 @@ from pipeline.heads.io import head_state
 from pipeline.train.config import TrainConfig
 from pipeline.train.loop import TauProbe
 from pipeline.train.run import main
-from test_train import as_config, dump_root, overrides  # noqa: F401  (dump_root: the fixture)
+from tests.support.tiny_runs import as_config, overrides
 
 TAUS = [1.1, 1.3, 1.2, 1.25, 1.5, 1.6, 1.7]  # best at the 2nd probe; patience 2 stops at the 4th
 
 
-def test_the_best_tau_checkpoint_becomes_final_and_patience_stops_the_run(dump_root, tiny_model_dir,  # noqa: F811
+def test_the_best_tau_checkpoint_becomes_final_and_patience_stops_the_run(dump_root, tiny_model_dir,
                                                                           monkeypatch):
     probes = []
 
@@ -50,7 +50,7 @@ def test_select_tau_needs_the_probe_and_patience_needs_select_tau():
         TrainConfig(patience=2)
 
 
-def test_with_async_saves_best_never_runs_ahead_of_the_checkpoints(dump_root, tiny_model_dir,  # noqa: F811
+def test_with_async_saves_best_never_runs_ahead_of_the_checkpoints(dump_root, tiny_model_dir,
                                                                     monkeypatch):
     """train.async_save writes a checkpoint while the loop goes on: a kill before step N's write is in place
     resumes before N, so best/ must not hold step N's head by then. A slow disk is stood in for by a hook that

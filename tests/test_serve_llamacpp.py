@@ -11,7 +11,7 @@ import re
 import pytest
 
 from bench.serve_llamacpp import chain_tree, run, server_tau
-from tests.test_export_gguf import smollm2_head, to_gguf
+from tests.support.gguf import smollm2_head, to_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import REPO
 from tests.support.slurm_cluster import LocalSlurmCluster, missing_binaries, parse_record
 
-REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "jobs"
 STAGE_SCRIPTS = ("regen", "dump", "train", "eval", "export")
 

@@ -21,10 +21,9 @@ from pipeline.target import (
     load_target_parts,
     weights_digest,
 )
-from test_train import as_cli, build_tiny_dump, overrides
 from tests.support.families import FAMILIES, build_family, build_padded_moe
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+from tests.support.tiny_runs import as_cli, build_tiny_dump, overrides
 
 
 def local_target(path: Path, dtype: str = "float32") -> TargetConfig:

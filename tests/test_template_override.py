@@ -15,8 +15,8 @@ from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.manifest import ManifestError
 from pipeline.regen.config import RegenConfig
 from pipeline.target import load_target
-from test_export import fake_train_stage, make_head, stage_config
-from test_lossless import QUESTIONS
+from tests.support.decoding import QUESTIONS
+from tests.support.exports import fake_train_stage, make_head, stage_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

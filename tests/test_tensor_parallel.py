@@ -27,11 +27,19 @@ from pipeline.hidden_states.reader import DumpReader
 from pipeline.manifest import load_manifest
 from pipeline.target import TargetError, check_tensor_parallel
 from pipeline.train import run as train_run
-from test_config import compose_cfg
-from test_online import online_cli, online_config
-from test_train import EXPERIMENT, build_tiny_dump, overrides, run_cli, tiny_data, train_losses
+from tests.support.config import compose_cfg
+from tests.support.paths import REPO
+from tests.support.tiny_runs import (
+    EXPERIMENT,
+    build_tiny_dump,
+    online_cli,
+    online_config,
+    overrides,
+    run_cli,
+    tiny_data,
+    train_losses,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TORCHRUN4 = TORCHRUN[:-1] + ["4"]
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
@@ -48,7 +56,8 @@ def cli(args: list[str], launcher: list[str] | None = None, timeout: int = 240) 
 
 
 def dump_args(root: Path, model_dir: Path, shared_data: Path) -> list[str]:
-    """The dump of test_train's `build_tiny_dump` (the same conversations and settings) as CLI overrides."""
+    """The dump of `build_tiny_dump` (tests/support/tiny_runs.py: the same conversations and settings) as CLI
+    overrides."""
     return [f"output_root={root}", f"name={EXPERIMENT}", "stage=dump", "target=hf", f"target.path={model_dir}",
             "target.name=tiny", f"target.hub_id={model_dir}", "dump.input=data", "data.name=tiny",
             "data.max_length=96", "dump.shard_bytes=100000",

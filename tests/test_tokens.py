@@ -3,31 +3,19 @@ later runs and other ranks read them instead of tokenizing, another setting make
 start together tokenize once."""
 from __future__ import annotations
 
-import dataclasses
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import EagletConfig
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.readers import read_sources
-from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.inputs import tokenize_all
 from pipeline.hidden_states.tokens import TOKENS_DIR, tokenized_input
 from pipeline.target import load_target_parts
-from test_train import EXPERIMENT, tiny_data, tiny_target
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def config(root, model_dir, shared_data, **data) -> EagletConfig:
-    cfg = EagletConfig(stage="dump", name=EXPERIMENT, output_root=str(root), target=tiny_target(model_dir),
-                       data=tiny_data(shared_data, 24), dump=DumpConfig(input="data"))
-    cfg.data = dataclasses.replace(cfg.data, **data)
-    return cfg
+from tests.support.paths import REPO
+from tests.support.tiny_runs import EXPERIMENT
+from tests.support.tokens import config
 
 
 def test_tokens_are_made_once_and_equal_a_direct_tokenization(tmp_path, tiny_model_dir, shared_data):
@@ -61,7 +49,7 @@ def test_an_edited_source_makes_new_tokens(tmp_path, tiny_model_dir, shared_data
 RANK = """
 import sys
 from pathlib import Path
-from test_tokens import config
+from tests.support.tokens import config
 from pipeline.hidden_states.tokens import tokenized_input
 from pipeline.target import load_target_parts
 cfg = config(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
@@ -70,10 +58,9 @@ print("CACHED", tokenized_input(cfg, load_target_parts(cfg.target)).cached)
 
 
 def test_ranks_starting_together_tokenize_once(tmp_path, tiny_model_dir, shared_data):
-    tests_first = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": tests_first}  # RANK imports this module
+    # RANK imports tests.support.tokens, from the repository root (cwd)
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path), str(tiny_model_dir), str(shared_data)],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+                              cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(3)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sorted(o.split("CACHED")[-1].strip() for o in outs) == ["False", "True", "True"]

@@ -2,28 +2,23 @@
 LR schedule, manifest refusals, an end-to-end run per head (metrics.jsonl, W&B offline history, final/ head,
 load_head, curves, manifest) and rerunning a finished stage.
 
-The helpers here (tiny dump, overrides usable both as Hydra CLI arguments and as a typed config) are shared
-with test_train_resume.py and test_train_ddp.py."""
+The helpers (tiny dump, overrides usable both as Hydra CLI arguments and as a typed config) live in
+tests/support/tiny_runs.py, shared with test_train_resume.py, test_train_ddp.py and the other tests of train runs;
+the `dump_root` fixture is in conftest.py."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.config import EagletConfig, TargetConfig, WandbConfig
-from pipeline.data.config import DataConfig, SourceConfig
+from pipeline.config import WandbConfig
 from pipeline.files import sha256_file
-from pipeline.heads import head_config
 from pipeline.heads.io import load_head
-from pipeline.hidden_states.config import DumpConfig
 from pipeline.hidden_states.reader import DumpReader
 from pipeline.manifest import ManifestError, load_manifest
 from pipeline.train import checkpoint as ckpt
@@ -31,91 +26,8 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.data import StepSchedule, collate, epoch_batches, pack, split_train_val, subsample
 from pipeline.train.loop import LrSchedule
 from pipeline.train.metrics import read_metrics
-
-REPO = Path(__file__).resolve().parents[1]
-EXPERIMENT = "t"
-
-# ---------------------------------------------------------------------------------------------------------
-# shared helpers
-
-
-def tiny_target(model_dir: Path) -> TargetConfig:
-    return TargetConfig(name="tiny", path=str(model_dir), gguf_package=None, gguf_file=None, hub_id=str(model_dir))
-
-
-def tiny_data(shared_data: Path, rows: int = 48) -> DataConfig:
-    """The tiny dump's conversations: alpaca demo conversations, <= 96 tokens."""
-    source = SourceConfig(path=str(shared_data / "alpaca_en_demo" / "alpaca_en_demo.json"), limit=rows)
-    return DataConfig(name="tiny", sources=[source], max_length=96)
-
-
-def build_tiny_dump(root: Path, model_dir: Path, shared_data: Path, rows: int = 48, **dump) -> Path:
-    """outputs root with <root>/t/dump written by the dump stage from `tiny_data` (DumpConfig fields in `dump`)."""
-    from pipeline.hidden_states.run import main as dump_main
-
-    cfg = EagletConfig(stage="dump", name=EXPERIMENT, output_root=str(root), target=tiny_target(model_dir),
-                       data=tiny_data(shared_data, rows), dump=DumpConfig(input="data", **dump))
-    dump_main(cfg)
-    return root
-
-
-# Train settings of the tests: 41 dump rows -> 35 train / 6 validation rows, 7 steps per epoch at 512 tokens.
-BASE_TRAIN = dict(epochs=2, lr=3e-3, warmup_steps=2, micro_batch_tokens=512, grad_accum=1, save_every=4,
-                  eval_every=4, log_every=1, val_fraction=0.15, tau_prompts=1, tau_max_new_tokens=12, seed=0)
-
-
-def overrides(root: Path, model_dir: Path, kind: str, name: str, **train) -> dict:
-    """Dotted-key settings of a tiny train run; `as_cli` and `as_config` give the same run two ways."""
-    d = {"stage": "train", "name": EXPERIMENT, "output_root": str(root), "target.name": "tiny",
-         "target.path": str(model_dir), "head.kind": kind, "head.name": name, "wandb.mode": "disabled"}
-    options = head_config(kind)  # the kind's own options only: another kind's fails at compose
-    d.update({f"head.{k}": v for k, v in (("ttt_steps", 3), ("draft_vocab_size", 200)) if hasattr(options, k)})
-    d.update({f"train.{k}": v for k, v in {**BASE_TRAIN, **train}.items()})
-    return d
-
-
-def as_cli(d: dict) -> list[str]:
-    head = d["head.kind"]
-    args = [f"head={head}", "target=hf"]
-    for k, v in d.items():
-        if k == "head.kind":
-            continue
-        args.append(f"{k}={'null' if v is None else v}")
-    return args
-
-
-def as_config(d: dict) -> EagletConfig:
-    head = head_config(d["head.kind"], **{k[5:]: v for k, v in d.items() if k.startswith("head.") and k != "head.kind"})
-    cfg = EagletConfig(target=tiny_target(Path(d["target.path"])), head=head, train=TrainConfig(), wandb=WandbConfig())
-    for key, value in d.items():
-        if key.startswith("head."):
-            continue
-        obj, *path = key.split(".")
-        if not path:
-            setattr(cfg, obj, value)
-            continue
-        setattr(getattr(cfg, obj), path[0], value)
-    return cfg
-
-
-def run_cli(d: dict, env: dict | None = None, timeout: int = 120, launcher: list[str] | None = None,
-            fault: str | None = None):
-    """`python -m pipeline.run` with `d` as overrides; `fault` ("<event>:<step>:<SIGNAL>") runs it through
-    tests/support/faulty_run.py, which signals the process at that point of training."""
-    entry = ["-m", "tests.support.faulty_run", fault] if fault else ["-m", "pipeline.run"]
-    cmd = (launcher or [sys.executable]) + entry + as_cli(d)
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "WANDB_MODE": "disabled", **(env or {})})
-
-
-def train_losses(train_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["train/loss"] for r in read_metrics(train_dir / "metrics.jsonl") if "train/loss" in r}
-
-
-@pytest.fixture(scope="module")
-def dump_root(tmp_path_factory, tiny_model_dir, shared_data) -> Path:
-    return build_tiny_dump(tmp_path_factory.mktemp("train"), tiny_model_dir, shared_data)
-
+from tests.support.paths import REPO
+from tests.support.tiny_runs import EXPERIMENT, as_config, overrides, tiny_target
 
 # ---------------------------------------------------------------------------------------------------------
 # data order and batching
@@ -199,7 +111,7 @@ def _copy_target(src: Path, dst: Path, chat_template: str | None = None, reseed:
         cfg_path.write_text(json.dumps(tok_cfg))
         (dst / "chat_template.jinja").unlink(missing_ok=True)
     if reseed:
-        from conftest import build_tiny_llama
+        from tests.support.tiny import build_tiny_llama
 
         build_tiny_llama(json.loads((dst / "config.json").read_text())["vocab_size"], seed=1).save_pretrained(dst)
     return dst

@@ -29,14 +29,10 @@ from pipeline.train.loop import LrSchedule, ResumeRefused, StopForRequeue
 from pipeline.train.metrics import read_metrics
 from pipeline.train.online import OnlineRows
 from pipeline.train.run import main
-from test_train import EXPERIMENT, REPO, as_config, build_tiny_dump, overrides, train_losses
+from tests.support.paths import REPO
+from tests.support.tiny_runs import EXPERIMENT, as_config, overrides, train_losses
 
 STEPS, STOP, WARMUP = 14, 6, 3  # 2 epochs of 7 steps; stopped after step 6 (off the save_every=4 schedule)
-
-
-@pytest.fixture(scope="module")
-def dump_root(tmp_path_factory, tiny_model_dir, shared_data):
-    return build_tiny_dump(tmp_path_factory.mktemp("carry"), tiny_model_dir, shared_data)
 
 
 def stop_at(step: int):

@@ -16,17 +16,19 @@ import pytest
 from pipeline.lock import LOCK_PREFIX
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.run import main
-from test_online import online_cli
-from test_train import EXPERIMENT, REPO, as_config, build_tiny_dump, overrides, run_cli, train_losses
+from tests.support.paths import REPO
+from tests.support.tiny_runs import (
+    EXPERIMENT,
+    as_config,
+    online_cli,
+    overrides,
+    run_cli,
+    train_losses,
+)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 # What `accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml` puts in each process's environment.
 DEEPSPEED_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "conf/deepspeed/zero2.json"}
-
-
-@pytest.fixture(scope="module")
-def dump_root(tmp_path_factory, tiny_model_dir, shared_data):
-    return build_tiny_dump(tmp_path_factory.mktemp("ddp"), tiny_model_dir, shared_data)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle1"])

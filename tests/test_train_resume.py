@@ -17,15 +17,10 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train.loop import LrSchedule, ResumeRefused
 from pipeline.train.metrics import read_metrics
 from pipeline.train.run import main
-from test_train import EXPERIMENT, as_config, build_tiny_dump, overrides, run_cli, train_losses
+from tests.support.tiny_runs import EXPERIMENT, as_config, overrides, run_cli, train_losses
 
 # 2 epochs of 7 steps, checkpoints every 4: resume points fall mid-epoch (step 4) and across the epoch edge.
 STEPS = 14
-
-
-@pytest.fixture(scope="module")
-def dump_root(tmp_path_factory, tiny_model_dir, shared_data):
-    return build_tiny_dump(tmp_path_factory.mktemp("resume"), tiny_model_dir, shared_data)
 
 
 @pytest.fixture(scope="module")
