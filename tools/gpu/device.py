@@ -54,6 +54,9 @@ class Profile:
     # and whether the runs read the kit's quality prompts (the dry run's campaign trains on the kit's own regen).
     campaign_overrides: list = field(default_factory=list)
     campaign_kit_data: bool = False
+    # What call 1's lossless phase runs under pytest: on the device, every tiny-model lossless test in CUDA; the
+    # dry run checks the phase's plumbing (pytest, junit counts) on the drafters' tests, the suite runs the rest.
+    lossless_tests: list = field(default_factory=lambda: ["tests/test_lossless.py", "-m", "not slow"])
 
 
 PROFILES = {
@@ -76,7 +79,8 @@ PROFILES = {
         demo_overrides=["regen.max_new_tokens=16", "train.epochs=1", "eval.max_new_tokens=16", "eval.limit=2"],
         campaign_overrides=["train.epochs=1", "train.micro_batch_tokens=1024", "train.save_every=0",
                             "train.eval_every=0"],
-        campaign_kit_data=True),
+        campaign_kit_data=True,
+        lossless_tests=["tests/test_lossless.py::test_eagle_drafter_is_lossless"]),
 }
 CALL_PHASES = {1: ["env", "install", "lossless_cuda", "bf16_ties"],
                2: ["install", "target", "demo", "regen", "dump", "train", "eval", "tree_cost", "export"]}
@@ -182,9 +186,9 @@ class Run:
     def do_lossless_cuda(self, budget):
         self.env["EAGLET_TEST_DEVICE"] = self.profile.device
         junit = self.stash / "lossless.xml"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_lossless.py",
-                               "-m", "not slow", f"--junitxml={junit}"], cwd=REPO, env=self.env, stdout=self.log,
-                              stderr=subprocess.STDOUT, timeout=budget)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               *self.profile.lossless_tests, f"--junitxml={junit}"], cwd=REPO, env=self.env,
+                              stdout=self.log, stderr=subprocess.STDOUT, timeout=budget)
         summary = kitfiles.junit_counts(junit)
         if proc.returncode != 0:
             raise RuntimeError(f"pytest exit {proc.returncode}: {summary}")
