@@ -129,12 +129,18 @@ install-slurm:
 demo: install
 	$(RUN) $(PYTHON) -m pipeline.run stage=all experiment=$(EXPERIMENT)
 
+# The suite in TEST_WORKERS pytest-xdist workers, a test module per worker at a time (its module-scoped runs are
+# built once); each worker gets its share of the cores (tests/conftest.py). --durations: every log shows where
+# the time goes (tests/README.md has the whole table). Tiers: pytest -m "smollm2", "server", "cluster", "chain",
+# "kit" or "not slow" (pyproject.toml).
+TEST_WORKERS ?= 2
+PYTEST_RUN := $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=40
 test: install-test
-	$(RUN) $(PYTHON) -m pytest --durations=15 $(PYTEST_ARGS)
+	$(RUN) $(PYTEST_RUN) $(PYTEST_ARGS)
 
 # The unit tests on tiny models: no Slurm, no llama.cpp build, no SmolLM2-sized runs (those tests skip).
 test-fast: install-test-python
-	$(RUN) $(PYTHON) -m pytest -m "not slow" --durations=15 $(PYTEST_ARGS)
+	$(RUN) $(PYTEST_RUN) -m "not slow" $(PYTEST_ARGS)
 
 lint: $(if $(filter $(CURDIR)/.venv/bin/python,$(PYTHON)),$(CURDIR)/.venv/bin/python)
 	$(PIP_INSTALL) -q ruff

@@ -11,7 +11,15 @@ import torch
 from tests.support.paths import REPO
 from tests.support.tiny import build_tiny_llama, build_tiny_tokenizer
 
-torch.set_num_threads(int(os.environ.get("EAGLET_TEST_THREADS", "2")))
+# The suite runs in `-n` pytest-xdist workers (make test: one per core); each worker and every process it starts
+# (pipeline.run, torchrun, servers that size themselves from OMP_NUM_THREADS) take an equal share of the cores, so
+# two workers never oversubscribe them. One process alone (plain `pytest`) keeps 2 threads, as it always had.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = int(os.environ.get("EAGLET_TEST_THREADS") or (max(1, len(os.sched_getaffinity(0)) // WORKERS)
+                                                          if WORKERS > 1 else 2))
+torch.set_num_threads(THREADS)
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 # `auto` precision resolves to float32 in the suite on every machine (the exactness tests mean the same with
 # and without fast bf16); tests of bf16 pick it explicitly. Subprocesses (pipeline.run, torchrun, Slurm
 # jobs) inherit it.
@@ -108,3 +116,29 @@ def server_binary():
         return checked_binary(LlamaCppConfig(), TargetConfig())
     except BinaryMismatch as e:
         pytest.fail(str(e))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cost tiers (markers, pyproject.toml): `-m "not slow"` is make test-fast's tier. A test is marked by what it
+# uses, so the tiers cannot drift from the code: the real SmolLM2 target (`smollm2`), a real llama.cpp server
+# (`server`), a local Slurm cluster or several launched processes (`cluster`); modules mark `chain` (whole stage
+# chains through the CLI) and `kit` (the GPU kit's dry run) themselves.
+FIXTURE_TIERS = {"smollm2": "smollm2", "server_binary": "server", "llama_server": "server", "cluster": "cluster"}
+# The order the costliest modules start in, so that xdist's workers end together (the longest first).
+FIRST = ("kit", "cluster", "chain", "server", "smollm2")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, tier in FIXTURE_TIERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(tier)
+
+    def rank(module: str) -> int:
+        tiers = {m.name for i in by_module[module] for m in i.iter_markers()}
+        return min((FIRST.index(t) for t in tiers if t in FIRST), default=len(FIRST))
+
+    by_module: dict[str, list] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    items[:] = [i for module in sorted(by_module, key=rank) for i in by_module[module]]  # stable within a rank

@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.paths import REPO
 
+pytestmark = pytest.mark.cluster
+
 SCRIPT = textwrap.dedent("""
     import atexit, threading, time
     from pipeline.dist import exit_rank

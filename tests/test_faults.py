@@ -12,7 +12,7 @@ import pytest
 
 from bench import faults
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.chain]
 KILLED = ("eval", "export")
 
 

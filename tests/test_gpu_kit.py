@@ -15,6 +15,7 @@ from tools.gpu.device import PROFILES
 
 
 @pytest.mark.slow
+@pytest.mark.kit
 def test_gpu_kit_dry_run_passes(tmp_path):
     # A guard against a hang, not a speed check: the dry run runs the kit's checks on this machine's CPU, and a 2-core
     # Zen 3 EPYC (no fast bf16, ~8 GB/s of memory) took over 300 s.

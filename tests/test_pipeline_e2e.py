@@ -14,6 +14,8 @@ from pipeline.eval.table import table
 from pipeline.manifest import load_manifest
 from tests.support.paths import REPO
 
+pytestmark = pytest.mark.chain
+
 
 def run_cli(args: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline", HF_HUB_OFFLINE="1", **(env_extra or {}))

@@ -24,6 +24,8 @@ import pytest
 from tests.support.paths import REPO
 from tests.support.slurm_cluster import LocalSlurmCluster, missing_binaries, parse_record
 
+pytestmark = [pytest.mark.cluster, pytest.mark.chain]
+
 JOBS = REPO / "jobs"
 STAGE_SCRIPTS = ("regen", "dump", "train", "eval", "export")
 

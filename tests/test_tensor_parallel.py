@@ -40,6 +40,8 @@ from tests.support.tiny_runs import (
     train_losses,
 )
 
+pytestmark = pytest.mark.cluster
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TORCHRUN4 = TORCHRUN[:-1] + ["4"]
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}

@@ -26,6 +26,8 @@ from tests.support.tiny_runs import (
     train_losses,
 )
 
+pytestmark = pytest.mark.cluster
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 # What `accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml` puts in each process's environment.
 DEEPSPEED_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "conf/deepspeed/zero2.json"}
