@@ -130,11 +130,12 @@ demo: install
 	$(RUN) $(PYTHON) -m pipeline.run stage=all experiment=$(EXPERIMENT)
 
 # The suite in TEST_WORKERS pytest-xdist workers, a test module per worker at a time (its module-scoped runs are
-# built once); each worker gets its share of the cores (tests/conftest.py). --durations: every log shows where
+# built once), in the order tests/conftest.py gives (the costliest first; xdist would reorder by test count);
+# each worker gets its share of the cores (tests/conftest.py). --durations: every log shows where
 # the time goes (tests/README.md has the whole table). Tiers: pytest -m "smollm2", "server", "cluster", "chain",
 # "kit" or "not slow" (pyproject.toml).
 TEST_WORKERS ?= 2
-PYTEST_RUN := $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=40
+PYTEST_RUN := $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40
 test: install-test
 	$(RUN) $(PYTEST_RUN) $(PYTEST_ARGS)
 

@@ -125,7 +125,7 @@ def server_binary():
 # chains through the CLI) and `kit` (the GPU kit's dry run) themselves.
 FIXTURE_TIERS = {"smollm2": "smollm2", "server_binary": "server", "llama_server": "server", "cluster": "cluster"}
 # The order the costliest modules start in, so that xdist's workers end together (the longest first).
-FIRST = ("kit", "cluster", "chain", "server", "smollm2")
+FIRST = ("kit", "cluster", "chain", "server", "smollm2", "slow")
 
 
 def pytest_collection_modifyitems(config, items):
