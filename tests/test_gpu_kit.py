@@ -36,6 +36,8 @@ def test_gpu_kit_dry_run_passes(tmp_path):
         "tests": 2, "failures": 0, "errors": 0, "skipped": 0}
     assert PROFILES["gpu"].lossless_tests == ["tests/test_lossless.py", "-m", "not slow"]
     assert r1["phases"]["bf16_ties"]["divergences_outside_tie_bound"] == 0
+    # ... at the dry run's size (the device decodes 6 prompts of 96 tokens)
+    assert r1["phases"]["bf16_ties"]["prompts"] == PROFILES["dryrun"].ties[0] and PROFILES["gpu"].ties == (6, 96)
     # Campaign mode on call 2's regen output: both heads trained online there, sent back, unpacked, and the
     # EAGLE-3 run evaluated on CPU from outputs/ as the experiment's own evals would.
     cplan = json.loads((tmp_path / "kit" / "plan.json").read_text())

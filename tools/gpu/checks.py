@@ -49,9 +49,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tree-cost", action="store_true")
     ap.add_argument("--target", default=None)
+    ap.add_argument("--prompts", type=int, default=6, help="--ties: prompts decoded")
+    ap.add_argument("--new-tokens", type=int, default=96, help="--ties: tokens each")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    result = tree_cost(args.device, args.target) if args.tree_cost else ties(args.device)
+    result = tree_cost(args.device, args.target) if args.tree_cost else ties(args.device, args.prompts,
+                                                                             args.new_tokens)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     if not args.tree_cost and result["divergences_outside_tie_bound"]:

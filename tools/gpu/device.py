@@ -57,6 +57,9 @@ class Profile:
     # What call 1's lossless phase runs under pytest: on the device, every tiny-model lossless test in CUDA; the
     # dry run checks the phase's plumbing (pytest, junit counts) on the drafters' tests, the suite runs the rest.
     lossless_tests: list = field(default_factory=lambda: ["tests/test_lossless.py", "-m", "not slow"])
+    # The bf16 tie check's size (prompts, new tokens): the dry run checks its plumbing at a size that stays short on
+    # a CPU without fast bf16 (tests/test_bf16_ties.py holds the criterion itself).
+    ties: tuple = (6, 96)
 
 
 PROFILES = {
@@ -80,7 +83,7 @@ PROFILES = {
         campaign_overrides=["train.epochs=1", "train.micro_batch_tokens=1024", "train.save_every=0",
                             "train.eval_every=0"],
         campaign_kit_data=True,
-        lossless_tests=["tests/test_lossless.py::test_eagle_drafter_is_lossless"]),
+        lossless_tests=["tests/test_lossless.py::test_eagle_drafter_is_lossless"], ties=(2, 32)),
 }
 CALL_PHASES = {1: ["env", "install", "lossless_cuda", "bf16_ties"],
                2: ["install", "target", "demo", "regen", "dump", "train", "eval", "tree_cost", "export"]}
@@ -196,8 +199,9 @@ class Run:
 
     def do_bf16_ties(self, budget):
         out = self.stash / "ties.json"
-        self.sh([sys.executable, "-m", "tools.gpu.checks", "--device", self.profile.device,
-                 "--out", str(out)], budget)
+        prompts, new_tokens = self.profile.ties
+        self.sh([sys.executable, "-m", "tools.gpu.checks", "--device", self.profile.device, "--prompts", str(prompts),
+                 "--new-tokens", str(new_tokens), "--out", str(out)], budget)
         return json.loads(out.read_text())
 
     # -- call 2 ------------------------------------------------------------------------------------------
