@@ -139,7 +139,8 @@ PYTEST_RUN := $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadsc
 test: install-test
 	$(RUN) $(PYTEST_RUN) $(PYTEST_ARGS)
 
-# The unit tests on tiny models: no Slurm, no llama.cpp build, no SmolLM2-sized runs (those tests skip).
+# -m "not slow": the tests on tiny models, the tiny chains and multi-process runs included; no Slurm and no llama.cpp
+# build (those tests skip), no SmolLM2-sized runs, fault campaign or GPU kit dry run.
 test-fast: install-test-python
 	$(RUN) $(PYTEST_RUN) -m "not slow" $(PYTEST_ARGS)
 

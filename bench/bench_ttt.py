@@ -85,7 +85,7 @@ def build(seq_len: int):
 def step_fn(variant: str, head, data):
     from pipeline.heads.losses import align_batch
     from pipeline.heads.ttt import eagle3_ttt_loss
-    from tests.test_ttt import reference_ttt_loss
+    from tests.support.ttt import reference_ttt_loss
 
     input_ids, loss_mask, aux, final, valid, w = data
     if variant == "efficient":

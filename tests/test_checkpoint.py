@@ -306,6 +306,7 @@ def test_async_runs_killed_or_stopped_resume_to_the_same_losses(dump_root, tiny_
     assert_same_run(train_dir, reference)
 
 
+@pytest.mark.cluster
 def test_two_processes_write_in_the_background_and_record_every_ranks_files(dump_root, tiny_model_dir):
     """DDP over 2 processes with train.async_save: only the main rank has a writer thread, and every rank meets it
     at the same waits (a rank that missed one would hang the all-reduce); the losses are one process's with the

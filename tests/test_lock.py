@@ -77,6 +77,7 @@ def rank_env(rank: int, world: int, port: int) -> dict:
 NO_FLOCK = {"EAGLET_TEST_NO_FLOCK": "1"}
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("fs", [{}, NO_FLOCK], ids=["flock", "no-flock"])
 def test_ranks_of_one_job_share_the_folder_and_a_second_job_is_refused(tmp_path, fs):
     port = 29611 if not fs else 29621

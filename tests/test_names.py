@@ -26,7 +26,7 @@ STAGE_KEY = {"regen": "name", "dump": "name", "train": "head.name", "eval": "eva
 
 
 def compose_named(overrides):
-    """tests/test_config.compose_cfg, except that a `name=` override is kept (the CLI's ${hydra:} default
+    """tests/support/config.compose_cfg, except that a `name=` override is kept (the CLI's ${hydra:} default
     names the run after the experiment group otherwise)."""
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)

@@ -15,10 +15,12 @@ from pipeline.manifest import load_manifest
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.chain
+# The stages' threads: 2, or the xdist worker's share of the cores (tests/conftest.py).
+THREADS = os.environ.get("OMP_NUM_THREADS", "2")
 
 
 def run_cli(args: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline", HF_HUB_OFFLINE="1", **(env_extra or {}))
+    env = dict(os.environ, OMP_NUM_THREADS=THREADS, WANDB_MODE="offline", HF_HUB_OFFLINE="1", **(env_extra or {}))
     out = subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{args[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
@@ -105,7 +107,7 @@ def test_eval_resumes_in_pieces_and_refuses_other_settings(chain):
         assert not (ev / "pieces" / "manifest.json").exists()
         assert f"| eagle3 | pieces | 0 | {done}/3 (partial) | " in table(tmp_path / "e2e")
     bad = subprocess.run([sys.executable, "-m", "pipeline.run", *piece, "tree.top_k=2"], cwd=REPO,
-                         env=dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline"), capture_output=True,
+                         env=dict(os.environ, OMP_NUM_THREADS=THREADS, WANDB_MODE="offline"), capture_output=True,
                          text=True, timeout=600)
     assert bad.returncode != 0 and "partial eval of another run" in bad.stderr + bad.stdout
     run_cli(piece)  # the last question

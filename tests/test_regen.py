@@ -380,10 +380,14 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir
     # Whole finished batches are skipped: only the rest is generated again.
     assert f"this run: {len(_records()) - finished} conversations" in log
 
+    before = torch.get_num_threads()
     torch.set_num_threads(2)  # as the subprocesses
-    reference = _cfg(tmp_path, tiny_model_dir, source, name="whole", batch_size=1, batches_per_shard=2,
-                     max_new_tokens=48)
-    regen_run.main(reference)
+    try:
+        reference = _cfg(tmp_path, tiny_model_dir, source, name="whole", batch_size=1, batches_per_shard=2,
+                         max_new_tokens=48)
+        regen_run.main(reference)
+    finally:
+        torch.set_num_threads(before)
     assert _shards(cfg) == _shards(reference)
     ids = [c["id"] for c in _read_back(out)[0]]
     assert len(ids) == len(set(ids)) == len(_records())
@@ -404,12 +408,13 @@ def test_two_ranks_write_disjoint_shards_whose_union_is_the_single_rank_output(t
     by_rank = {r: {s["path"] for s in manifest["shards"] if s["rank"] == r} for r in (0, 1)}
     assert by_rank[0] and by_rank[1] and not by_rank[0] & by_rank[1]
 
+    before = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank
     try:
         single = _cfg(tmp_path, tiny_model_dir, source, name="single", batches_per_shard=1)
         regen_run.main(single)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(before)
     assert _shards(cfg) == _shards(single)
     assert load_manifest(single.stage_dir("regen"))["counts"] == manifest["counts"]
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pipeline.config import EagletConfig
 from pipeline.data.bad_records import BadRecordReport
@@ -30,7 +31,8 @@ N_CTX = 512
 def llama_server(tmp_path_factory, server_binary):
     cfg = TargetConfig()
     log = tmp_path_factory.mktemp("llama_server") / "server.log"
-    server = start_llama_server(server_binary, packaged_gguf(cfg.gguf_package, cfg.gguf_file), log, N_CTX)
+    server = start_llama_server(server_binary, packaged_gguf(cfg.gguf_package, cfg.gguf_file), log, N_CTX,
+                                threads=torch.get_num_threads())
     try:
         yield server
     finally:

@@ -73,6 +73,7 @@ def test_missing_paths_are_clear():
 
 
 @pytest.mark.slow
+@pytest.mark.smollm2
 def test_gguf_cache_is_fast_and_exact(tmp_path):
     cfg = TargetConfig(cache_dir=str(tmp_path))
     t0 = time.perf_counter()

@@ -14,8 +14,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-LINE = re.compile(r"^([\d.]+)s (setup|call|teardown)\s+(\S+)")
-SUMMARY = re.compile(r"=+ (.*\d+ passed.*) in ([\d.]+)s")
+LINE = re.compile(r"^([\d.]+)s (setup|call|teardown)\s+(.+?)\s*$")  # an id may hold spaces
+SUMMARY = re.compile(r"^=+ (.*) in ([\d.]+)s")
 
 
 def parse(log: str) -> tuple[Counter, str]:

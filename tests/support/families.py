@@ -137,7 +137,7 @@ def build_family(family: Family, path: Path, seed: int = 0) -> Path:
     cfg.eos_token_id = tok.eos_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-    with torch.no_grad():  # decisive greedy paths, as the tiny Llama's (conftest.build_tiny_llama)
+    with torch.no_grad():  # decisive greedy paths, as the tiny Llama's (tests/support/tiny.build_tiny_llama)
         model.get_output_embeddings().weight.mul_(8.0)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(path)

