@@ -135,11 +135,12 @@ def pytest_collection_modifyitems(config, items):
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(tier)
 
+    by_module: dict[str, list] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+
     def rank(module: str) -> int:
         tiers = {m.name for i in by_module[module] for m in i.iter_markers()}
         return min((FIRST.index(t) for t in tiers if t in FIRST), default=len(FIRST))
 
-    by_module: dict[str, list] = {}
-    for item in items:
-        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
     items[:] = [i for module in sorted(by_module, key=rank) for i in by_module[module]]  # stable within a rank

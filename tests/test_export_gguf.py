@@ -5,7 +5,6 @@ output without the draft."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 from pipeline.export.exporter import export_head, load_export, max_logit_diff, read_config
 from pipeline.export.formats import ExportError
 from pipeline.export.formats.gguf import GGUF_FILE, gguf_problems, llama_cpp_source
+from pipeline.regen.managed_server import free_port
 from pipeline.target import TargetConfig, load_target_parts, resolve_source
 from tests.support.gguf import smollm2_head, to_gguf
 
@@ -65,15 +65,9 @@ def test_the_sglang_config_alone_would_give_llama_cpp_the_default_layers(smollm2
     assert problems == ["eagle3.target_layers = [2, 15, 27], expected [1, 10, 20]"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _complete(binary: Path, target_gguf: str, prompt: str, draft: Path | None = None) -> dict:
     """One greedy completion from a llama-server started for it (with the draft, when given), then stopped."""
-    port = _free_port()
+    port = free_port()
     cmd = [str(binary), "-m", target_gguf, "--port", str(port), "--host", "127.0.0.1", "-t", "1", "-c", "1024",
            "-np", "1"]
     if draft is not None:
