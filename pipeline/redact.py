@@ -15,6 +15,7 @@ project "token" mostly means a text token: eos_token, max_new_tokens, token_loss
 """
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any, Sequence
@@ -41,11 +42,15 @@ _BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]{8,}")
 # it, then a base64-like value that holds a digit, '+', '/' or '=' ("Basic arithmetic" is no credential).
 _BASIC = re.compile(r"\b(Basic|Digest)\s+(?=[A-Za-z0-9+/=._~-]*[0-9+/=])[A-Za-z0-9+/=._~-]{8,}")
 _OPTION = re.compile(r"[+~-]*[A-Za-z0-9_.-]+")  # an option's or an override's name (not a URL's head)
+# Every pattern here needs a ':' or '=' (a URL, a header, an assignment) or whitespace (Bearer/Basic/Digest and
+# their value): text with none is returned as it is, unsearched (a 100k-shard manifest holds 200k such names).
+_MAY_HOLD_SECRET = re.compile(r"[:=\s]")
 # name=value, name: value, and the quoted keys of JSON or a Python dict ({"api_key": "sk-..."}).
 _ASSIGNMENT = re.compile(r"(?P<open>[\"']?)(?P<name>[A-Za-z0-9_.+~-]*[A-Za-z0-9])(?P=open)(?P<sep>\s?(?:=|:)\s?)"
                          r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s&,;'\"}\]]+)")
 
 
+@functools.lru_cache(maxsize=4096)  # the same few keys, once per record of a large manifest
 def secret_name(name: str) -> bool:
     """Whether an option, config key or override named `name` holds a secret (see the module's doc)."""
     words = [w for w in re.split(r"[^a-z0-9]+", name.lower().lstrip("-+~").rsplit(".", 1)[-1]) if w]
@@ -97,7 +102,7 @@ def redact_text(text: str) -> str:
     """Free text (a log line, an error message, one command-line argument): every URL in it redacted, every
     `secret_name=value` / `secret_name: value` made `secret_name=***`, Authorization headers and Bearer tokens
     masked."""
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not _MAY_HOLD_SECRET.search(text):
         return text
     text = _URL.sub(lambda m: redact_url(m.group(0)), text)
     text = _AUTH_HEADER.sub(lambda m: f"{m[1]}{m[2] + ' ' if m[2] else ''}{MASK}", text)

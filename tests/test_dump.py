@@ -101,6 +101,25 @@ def test_padding_does_not_change_states(tiny_target, samples):
 # -- dump + reader ----------------------------------------------------------------------------------------
 
 
+def test_reader_tokens_are_the_rows_tokens_batch_by_batch(tiny_target, samples, tmp_path):
+    """`tokens` (what the draft vocabulary counts) gives the chosen rows' tokens in storage order, no more, none
+    twice: whole record batches and parts of them, whatever the order of the indices."""
+    dump_hidden_states(tiny_target, samples, DumpConfig(**SMALL), tmp_path, progress=False)
+    reader = DumpReader(tmp_path)
+    rng = random.Random(0)
+    for chosen in (list(range(len(reader))), rng.sample(range(len(reader)), len(reader) // 2), [len(reader) - 1], []):
+        pieces = list(reader.tokens(chosen))
+        assert len(pieces) <= len(chosen)
+        got_ids = torch.cat([p[0].long() for p in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
+        got_mask = torch.cat([p[1].long() for p in pieces]) if pieces else torch.zeros(0, dtype=torch.long)
+        want = [reader[i] for i in sorted(chosen)]  # rows are numbered in storage order
+        assert got_ids.tolist() == [t for r in want for t in r.input_ids.tolist()]
+        assert got_mask.tolist() == [m for r in want for m in r.loss_mask.tolist()]
+    assert sum(len(p[0]) for p in reader.tokens(range(len(reader)))) == reader.num_tokens
+    with pytest.raises(ValueError, match="twice"):
+        list(reader.tokens([0, 0]))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dump_roundtrip_zero_copy(tiny_target, samples, tmp_path, dtype):
     cfg = DumpConfig(dtype=dtype, **SMALL)

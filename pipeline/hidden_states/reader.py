@@ -282,6 +282,31 @@ class DumpReader:
             final_hidden=view.final[start:end],
         )
 
+    def tokens(self, indices: Sequence[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids int32 [n], loss_mask uint8 [n]) of the rows `indices` (each once), concatenated per record
+        batch in storage order: what a count over many rows (the draft vocabulary) reads, without building each
+        row (a row at a time costs ~0.1 ms of Python; 1M rows, minutes on every rank)."""
+        idx = np.asarray(indices, dtype=np.int64) % max(len(self), 1)
+        if len(np.unique(idx)) != len(idx):
+            raise ValueError("DumpReader.tokens: indices name a row twice")
+        s_ix, b_ix, r_ix = self._shard_ix[idx], self._batch_ix[idx], self._row_ix[idx]
+        order = np.lexsort((r_ix, b_ix, s_ix))
+        s_ix, b_ix, r_ix = s_ix[order], b_ix[order], r_ix[order]
+        cuts = np.flatnonzero((np.diff(s_ix) != 0) | (np.diff(b_ix) != 0)) + 1
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(idx)]):
+            if lo == hi:
+                continue
+            view = self._batch(int(s_ix[lo]), int(b_ix[lo]))
+            offsets = view.ids_offsets.long()  # [rows+1]
+            rows = torch.from_numpy(r_ix[lo:hi].astype(np.int64))
+            if len(rows) == len(offsets) - 1:  # the whole batch
+                yield view.input_ids, view.loss_mask
+                continue
+            keep = torch.zeros(len(offsets) - 1, dtype=torch.bool)
+            keep[rows] = True
+            per_token = torch.repeat_interleave(keep, offsets.diff())  # [tokens of the batch]
+            yield view.input_ids[per_token], view.loss_mask[per_token]
+
     def locate(self, i: int) -> str:
         """Row i as a person finds it: shard file, row within the shard, sample id."""
         s, b, r = int(self._shard_ix[i]), int(self._batch_ix[i]), int(self._row_ix[i])

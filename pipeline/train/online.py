@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -78,6 +78,12 @@ class OnlineRows:
         # Copies: the tokens are read-only views of the shared arrays (hidden_states/tokens.py).
         return OnlineRow(s.id, torch.from_numpy(np.array(s.input_ids, dtype=np.int64)),
                          torch.from_numpy(np.array(s.loss_mask, dtype=np.int64)))
+
+    def tokens(self, indices: Sequence[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of the rows `indices`, as DumpReader.tokens gives them (here a row at a time)."""
+        for i in indices:
+            row = self[i]
+            yield row.input_ids, row.loss_mask
 
     def collate(self, indices: Sequence[int], max_length: int, with_aux: bool,
                 dtype: torch.dtype = torch.float32) -> Batch:

@@ -183,7 +183,7 @@ def build_head(cfg, target, reader, vocab_idx, layer_ids):
     hcfg = cfg.head
     vocab = None
     if not head_spec(hcfg.kind).full_vocab:
-        vocab = build_draft_vocab(((reader[i].input_ids, reader[i].loss_mask) for i in vocab_idx),
+        vocab = build_draft_vocab(reader.tokens(vocab_idx),
                                   target.model.config.vocab_size, hcfg.draft_vocab_size)
     config = DraftHeadConfig.from_target(target.model.config, hcfg.kind, draft_vocab_size=vocab.size if vocab else None,
                                          aux_layer_ids=layer_ids, **hcfg.architecture_options())
