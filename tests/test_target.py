@@ -74,7 +74,20 @@ def test_missing_paths_are_clear():
 
 @pytest.mark.slow
 @pytest.mark.smollm2
-def test_gguf_cache_is_fast_and_exact(tmp_path):
+def test_gguf_cache_is_fast_and_exact(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    # The reference: the model transformers itself dequantized from the GGUF (the first load's own, kept here
+    # rather than dequantized a second time), against which the cache written from it is held.
+    dequantized = []
+
+    def from_pretrained(*args, **kwargs):
+        model = from_pretrained.real(*args, **kwargs)
+        dequantized.append((args, kwargs, model))
+        return model
+
+    from_pretrained.real = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
     cfg = TargetConfig(cache_dir=str(tmp_path))
     t0 = time.perf_counter()
     first = load_target(cfg)
@@ -87,12 +100,11 @@ def test_gguf_cache_is_fast_and_exact(tmp_path):
     assert first_s >= 5 * cached_s
     cfgd = first.model.config
     assert (cfgd.num_hidden_layers, cfgd.hidden_size, cfgd.vocab_size) == (30, 576, 49152)
-    # The reference: the GGUF dequantized by transformers directly, without our cache.
-    from transformers import AutoModelForCausalLM
-
     from pipeline.target import packaged_gguf
     gguf = packaged_gguf(cfg.gguf_package, cfg.gguf_file)
-    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ((args, kwargs, ref),) = [d for d in dequantized if d[1].get("gguf_file")]  # one dequantization, the first load's
+    assert args == (gguf.parent,) and kwargs == {"gguf_file": gguf.name, "dtype": torch.float32}
+    ref.eval()
     ids = cached.tokenizer("Speculative decoding is lossless.", return_tensors="pt").input_ids
     with torch.no_grad():
         torch.testing.assert_close(cached.model(ids).logits, ref(ids).logits, rtol=0, atol=0)
