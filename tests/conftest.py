@@ -91,6 +91,17 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="session")
+def cli():
+    """`cli(args, cwd=..., env=...)`: `python -m pipeline.run *args` in a child of one warm interpreter (a
+    CompletedProcess with its exit status, stdout and stderr); for checks of what the command line prints."""
+    from tests.support.cli import CliServer
+
+    server = CliServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="module")
 def dump_root(tmp_path_factory, tiny_model_dir, shared_data) -> Path:
     """The tiny dump (tests/support/tiny_runs.py), one per test module that trains on it."""

@@ -1,6 +1,4 @@
 """The entry point: Hydra composition against the structured schema, output layout, stage dispatch."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,16 +65,14 @@ def test_misspelt_key_fails_at_compose_time():
         compose_cfg(["train.lrr=1"])
 
 
-def test_cli_misspelt_key_names_it_without_running_anything():
-    out = subprocess.run([sys.executable, "-m", "pipeline.run", "stage=train", "tarin.lr=1"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_cli_misspelt_key_names_it_without_running_anything(cli):
+    out = cli(["stage=train", "tarin.lr=1"])
     assert out.returncode != 0
     assert "Key 'tarin' not in 'EagletConfig'" in out.stderr
 
 
-def test_cli_unknown_stage_names_the_choices_not_a_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pipeline.run", "stage=bogus", f"output_root={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+def test_cli_unknown_stage_names_the_choices_not_a_traceback(cli, tmp_path):
+    out = cli(["stage=bogus", f"output_root={tmp_path}"])
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "Invalid value 'bogus', expected one of [all, regen, dump, train, eval, export]" in out.stderr
     assert not (tmp_path / "demo").exists()
@@ -116,10 +112,9 @@ def test_experiment_name_comes_from_the_group_choice():
         assert OmegaConf.select(cfg, "hydra.runtime.choices.experiment") == "demo"
 
 
-def test_cli_user_errors_are_one_clear_message(tmp_path):
+def test_cli_user_errors_are_one_clear_message(cli, tmp_path):
     """A stage refused for a missing input says so without a traceback."""
-    out = subprocess.run([sys.executable, "-m", "pipeline.run", "stage=train", f"output_root={tmp_path}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = cli(["stage=train", f"output_root={tmp_path}"])
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("eaglet: train: ManifestError: ") and "no manifest" in last

@@ -325,12 +325,11 @@ def test_a_target_path_that_is_no_model_is_one_line(tmp_path):
         assert is_user_error(e.value)  # the CLI prints it as one line: eaglet: <stage>: <Type>: <message>
 
 
-def test_the_cli_names_a_target_that_is_no_model_in_one_line(tmp_path):
+def test_the_cli_names_a_target_that_is_no_model_in_one_line(cli, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_text("<html>404 Not Found</html>\n")  # what a failed download leaves
-    cmd = [sys.executable, "-m", "pipeline.run", "stage=eval", "target=hf", f"target.path={fake}", "target.name=x",
-           "name=h", f"output_root={tmp_path}"]
-    out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    out = cli(["stage=eval", "target=hf", f"target.path={fake}", "target.name=x", "name=h", f"output_root={tmp_path}"],
+              env=_env())
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         f"eaglet: eval: TargetError: {fake}: not a GGUF file (it starts with b'<htm'; a GGUF starts with b'GGUF')")
@@ -374,9 +373,8 @@ def test_an_override_of_the_wrong_type_names_the_key():
         assert f"full_key: {key}" in text, override
 
 
-def test_a_value_the_schema_refuses_is_one_line_from_the_cli():
-    done = subprocess.run([sys.executable, "-m", "pipeline.run", "stage=train", "data.max_turn_chars=0"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+def test_a_value_the_schema_refuses_is_one_line_from_the_cli(cli):
+    done = cli(["stage=train", "data.max_turn_chars=0"])
     assert done.returncode == 1
     assert done.stderr.strip() == ("eaglet: config: ValueError: data.max_turn_chars=0: a number of characters >= 1, "
                                    "or null for no limit"), done.stderr

@@ -3,8 +3,6 @@
 inside output_root (check_inside), so no stage creates or deletes anything outside it."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -120,14 +118,13 @@ def test_each_stage_refuses_a_name_changed_after_construction_before_touching_an
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_the_cli_refuses_a_hostile_name_in_one_line_and_writes_nothing_outside_output_root(stage, tmp_path):
+def test_the_cli_refuses_a_hostile_name_in_one_line_and_writes_nothing_outside_output_root(stage, cli, tmp_path):
     key = STAGE_KEY[stage]
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep.txt").write_text("mine")
     value = str(victim) if key == "head.name" else "../victim"
-    out = subprocess.run([sys.executable, "-m", "pipeline.run", f"stage={stage}", f"output_root={tmp_path / 'out'}",
-                          f"{key}={value}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = cli([f"stage={stage}", f"output_root={tmp_path / 'out'}", f"{key}={value}"])
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         f"eaglet: config: ValueError: {key}={value!r} is not a valid name; {NAME_RULE}")

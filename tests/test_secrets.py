@@ -243,10 +243,9 @@ def test_a_multirun_keeps_no_secret_in_hydras_sweep_record(tmp_path):
     assert files_holding(out_root) == {}
 
 
-def test_the_one_line_error_holds_no_secret(tmp_path):
+def test_the_one_line_error_holds_no_secret(cli, tmp_path):
     """The refusal printed on stderr (which Slurm keeps in its job log) is redacted like every file."""
-    out = subprocess.run([sys.executable, "-m", "pipeline.run", "stage=train", f"output_root={tmp_path}",
-                          "head.name='http://alice:SECRET9@host/v1'"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "WANDB_MODE": "disabled"})
+    out = cli(["stage=train", f"output_root={tmp_path}", "head.name='http://alice:SECRET9@host/v1'"],
+              env={**os.environ, "WANDB_MODE": "disabled"})
     assert out.returncode == 1 and "is not a valid name" in out.stderr, out.stderr[-2000:]
     assert "SECRET9" not in out.stdout + out.stderr and f"alice:{MASK}@host" in out.stderr
