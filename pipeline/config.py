@@ -94,6 +94,8 @@ class EagletConfig:
         for several side by side (eval.compare)."""
         if self.eval.compare:
             return "compare"
+        if self.eval.drafter == "head" and self.eval.head_dir:  # an exported head: its folder's name
+            return safe_name(Path(self.eval.head_dir).resolve().name, 64)
         return self.head.name if self.eval.drafter == "head" else str(self.eval.drafter)
 
     @property

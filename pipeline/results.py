@@ -119,8 +119,11 @@ def model_card(head_dir: Path, store: Path) -> str:
     # A head rebuilt on a fresh machine from its complete run's carry (pipeline/train/carry.py) is that head: the
     # evals of the run it was carried from count too.
     same = {exported} | {c.get("train_manifest_sha256") for c in (train or {}).get("carries", []) if c.get("complete")}
-    evals = [(h, r, s) for h, r, s in eval_summaries(store) if h == head["name"] and (
-        not exported or s.get("head_manifest_sha256", exported) in same)]
+    # ... and the evals of this folder as shipped (eval.head_dir: under its folder's name, naming its manifest).
+    shipped = sha256_file(head_dir / MANIFEST)
+    evals = [(h, r, s) for h, r, s in eval_summaries(store) if (h == head["name"] and (
+        not exported or s.get("head_manifest_sha256", exported) in same)) or (
+        h == head_dir.name and s.get("head_manifest_sha256") == shipped)]
     lines += ["## Quality", ""]
     if evals:
         lines += ["eaglet's tree speculative decoder on the target (`stage=eval`); tau is the mean tokens emitted per "

@@ -105,7 +105,7 @@ def test_eval_resumes_in_pieces_and_refuses_other_settings(chain):
         partial = json.loads((ev / "pieces" / "summary.partial.json").read_text())
         assert (partial["questions_done"], partial["complete"]) == (done, False)
         assert not (ev / "pieces" / "manifest.json").exists()
-        assert f"| eagle3 | pieces | 0 | {done}/3 (partial) | " in table(tmp_path / "e2e")
+        assert f"| eagle3 | pieces | 0 | float32 | {done}/3 (partial) | " in table(tmp_path / "e2e")
     bad = subprocess.run([sys.executable, "-m", "pipeline.run", *piece, "tree.top_k=2"], cwd=REPO,
                          env=dict(os.environ, OMP_NUM_THREADS=THREADS, WANDB_MODE="offline"), capture_output=True,
                          text=True, timeout=600)
@@ -119,7 +119,8 @@ def test_eval_resumes_in_pieces_and_refuses_other_settings(chain):
     assert not (ev / "pieces" / "summary.partial.json").exists()
     assert _answers(ev / "pieces" / "answers.jsonl") == _answers(ev / RUN / "answers.jsonl")
     rows = table(tmp_path / "e2e").splitlines()[2:]
-    assert [r.split(" | ")[1:4] for r in rows] == [["pieces", "0", "3/3"], ["questions", "0", "3/3"]]
+    assert [r.split(" | ")[1:5] for r in rows] == [["pieces", "0", "float32", "3/3"],
+                                                   ["questions", "0", "float32", "3/3"]]
 
 
 def test_a_head_trained_on_an_fp32_dump_evaluates_with_a_bf16_target(chain):
@@ -137,3 +138,6 @@ def test_a_head_trained_on_an_fp32_dump_evaluates_with_a_bf16_target(chain):
     assert set(rates) == {"bfloat16", "float32"} and summary["baseline_precision"] == max(rates, key=rates.get)
     assert summary["baseline_tokens_per_s"] == rates[summary["baseline_precision"]]
     assert 0 <= summary["greedy_divergent_share"] <= 1 and summary["turns"] == 4
+    # Every turn is checked (eval.greedy_check: the first 10 questions); a parting there is a tie, or the eval failed.
+    check = summary["greedy_check"]
+    assert check["precision"] == "bfloat16" and check["turns"] == 4 and check["ties"] == check["partings"]

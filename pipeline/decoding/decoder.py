@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from pipeline.families import attention_layer_types, family_of
 
 from .drafter import Drafter
+from .ties import Parting, parting_at
 from .tree import DEFAULT_TREE, TreeSpec
 from .verify import logits_to_probs, sample, verify_greedy, verify_sampling
 
@@ -51,6 +52,9 @@ class GenerationResult:
     target_time: float = 0.0  # seconds in target forwards
     draft_time: float = 0.0  # seconds in the drafter
     other_time: float = 0.0  # everything else: tree masks, acceptance, KV bookkeeping
+    # Greedy speculative decoding: per emitted token, the top-1 minus top-2 logit of the verification row it was
+    # chosen from (the first token: the prefill's); what a parting from plain greedy decoding is read against.
+    gaps: list[float] = field(default_factory=list)
 
     @property
     def wall_time(self) -> float:
@@ -264,6 +268,7 @@ def generate(
     token = _next_token(logits[-1], temperature, top_p, gen)
     out: list[int] = []
     accept_lengths: list[int] = []
+    gaps: list[float] = [] if temperature > 0 else [top2_gap(logits[-1])]
     done = _emit(out, [token], max_new_tokens, eos)
     if not done:
         with clock("draft"):
@@ -287,6 +292,8 @@ def generate(
         # Count what was emitted: at EOS or max_new_tokens the tail of an accepted path is dropped, and
         # counting it would inflate tau on those last steps.
         accept_lengths.append(min(len(path), len(out) - emitted_before) - 1)
+        if temperature <= 0:  # the rows of the path's nodes chose the emitted tokens (cached: read by verify_greedy)
+            gaps += [top2_gap(logits[node]) for node in path[:len(out) - emitted_before]]
         if not done:
             accepted_states = None if states is None else states[torch.tensor(path, device=device)]
             with clock("draft"):
@@ -296,7 +303,12 @@ def generate(
     return GenerationResult(
         tokens=out, accept_lengths=accept_lengths, n_target_forwards=len(accept_lengths),
         target_time=clock.totals["target"], draft_time=clock.totals["draft"],
-        other_time=wall - clock.totals["target"] - clock.totals["draft"])
+        other_time=wall - clock.totals["target"] - clock.totals["draft"], gaps=gaps)
+
+
+def top2_gap(row: torch.Tensor) -> float:
+    top = torch.topk(row.float(), 2).values
+    return float(top[0] - top[1])
 
 
 @torch.no_grad()
@@ -328,3 +340,34 @@ def vanilla_generate(
     wall = time.perf_counter() - t_start
     return GenerationResult(tokens=out, n_target_forwards=n_forwards, target_time=clock.totals["target"],
                             other_time=wall - clock.totals["target"])
+
+
+@torch.no_grad()
+def follow_greedy(target: torch.nn.Module, input_ids, tokens: Sequence[int]) -> tuple[GenerationResult, list[Parting]]:
+    """The target's one-token forwards over `tokens` (an answer to `input_ids`), computed as `vanilla_generate` at
+    T=0 computes them (the prompt in one forward, then one KV-cached token at a time), each step's first-ranked
+    token held to the answer's (ties.py). No parting: `tokens` is exactly greedy decoding's output, and the run
+    (its wall time) is greedy decoding of this answer. Each parting records its margin and the precision's tie
+    bound; the check goes on from the answer's own token, so every step of it is checked."""
+    device, dtype = target.device, target.dtype
+    ids = _as_ids(input_ids, device)
+    clock = _Clock(device)
+    plain = supports_row_logits(target)  # logits = lm_head(h): the bound's rounding of h applies
+    weight = target.get_output_embeddings().weight if plain else None
+    cache = _new_cache(target)
+    partings: list[Parting] = []
+    t_start = time.perf_counter()
+    with clock("target"):
+        logits, h = target_forward(target, ids[None], cache, (-1,), logits_to_keep=1)
+    for step, token in enumerate(tokens):
+        parting = parting_at(step, logits[-1], h[-1] if plain else None, weight, int(token), dtype)
+        if parting is not None:
+            partings.append(parting)
+        if step + 1 < len(tokens):
+            with clock("target"):
+                logits, h = target_forward(target, torch.tensor([[int(token)]], device=device), cache, (-1,),
+                                           logits_to_keep=1)
+    wall = time.perf_counter() - t_start
+    result = GenerationResult(tokens=list(tokens), n_target_forwards=max(len(tokens) - 1, 0),
+                              target_time=clock.totals["target"], other_time=wall - clock.totals["target"])
+    return result, partings

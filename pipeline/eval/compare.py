@@ -10,7 +10,8 @@ while it may be the faster one (`fp32_vanilla_pays`); speedup is over the fastes
 
 Each finished turn goes to turns.jsonl; a rerun continues after the last one. Per drafter the summary holds
 tau, alpha_1..3 (P(draft d accepted | drafts before it accepted)), tokens/s, speedup, the drafting share of the
-wall time and how many turns equal vanilla decoding token for token."""
+wall time and how many turns equal vanilla decoding token for token. Where a drafter's answer parts from vanilla's,
+the step is held to the precision's tie bound (pipeline/decoding/ties.py): a parting above it fails the run."""
 from __future__ import annotations
 
 import json
@@ -22,9 +23,10 @@ import torch
 
 from pipeline.data.bad_records import BadRecordReport
 from pipeline.data.chat import render_prompt, stop_token_ids
-from pipeline.decoding.decoder import acceptance_rates, generate, vanilla_generate
+from pipeline.decoding.decoder import acceptance_rates, follow_greedy, generate, vanilla_generate
+from pipeline.decoding.ties import GreedyPathError, Parting
 from pipeline.decoding.tree import TreeSpec
-from pipeline.eval.evaluate import system_messages
+from pipeline.eval.evaluate import off_greedy_path, system_messages
 from pipeline.eval.questions import load_questions
 from pipeline.eval.subjects import build_drafter, fp32_baseline_model, tree_choice
 from pipeline.files import atomic_write_text, text_lines
@@ -119,6 +121,10 @@ def decode_turns(cfg, target, variants: dict, questions, out_dir: Path) -> list[
                                                 thinking=cfg.regen.thinking))
             fp32 = fp32_model if fp32_vanilla_pays(done) else None
             record, base = decode_turn(target, fp32, variants, prompt, cfg.eval.max_new_tokens, eos, len(done))
+            for r in record.values():
+                if (p := r.get("parting")) is not None and not p["tie"]:
+                    p = Parting(**{k: v for k, v in p.items() if k != "tie"})
+                    raise GreedyPathError(off_greedy_path(q, ti, p, target.tokenizer, target.model.dtype))
             answers[(q.id, ti)] = target.tokenizer.decode(base, skip_special_tokens=True).strip()
             entry = {"question_id": q.id, "turn": ti, "category": q.category, "prompt_tokens": len(prompt),
                      "vanilla_answer": answers[(q.id, ti)], **record}
@@ -154,6 +160,14 @@ def decode_turn(target, fp32_model, variants: dict, prompt: torch.Tensor, max_ne
                   "accept_lengths": list(res.accept_lengths), "draft_s": res.draft_time,
                   "identical": res.tokens == base}
            for name, res in ((n, results[n]) for n in names)}
+    for name in variants:  # where a drafter's answer parts from vanilla's: the target's margin there, held to a tie
+        tokens = results[name].tokens
+        step = next((j for j, (x, y) in enumerate(zip(tokens, base)) if x != y), None)
+        if step is not None:
+            _, partings = follow_greedy(target.model, prompt, tokens[:step + 1])
+            parting = partings[-1]
+            parting.verify_gap = results[name].gaps[step] if step < len(results[name].gaps) else None
+            out[name]["parting"] = parting.as_dict()
     return out, base
 
 

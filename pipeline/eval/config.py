@@ -75,6 +75,9 @@ class EvalConfig:
     limit: Optional[int] = None
     # What drafts: the trained head, or a training-free baseline on the same decoder (lossless either way).
     drafter: DrafterKind = DrafterKind.head
+    # drafter=head: an exported head's folder (an export's files with its manifest.json, e.g. heads/<name>) instead
+    # of this experiment's train/<head.name>: the head as shipped, evaluated under eval/<folder name>/.
+    head_dir: str = ""
     # Several drafters side by side on the same turns in one run (`prompt_lookup` or head names under this
     # experiment's train/; pipeline/eval/compare.py), into eval/compare/<run>. Empty: `drafter` alone.
     compare: list[str] = field(default_factory=list)
@@ -84,6 +87,15 @@ class EvalConfig:
     temperature: float = 0.0
     max_new_tokens: int = 256
     baseline: bool = True  # also run vanilla decoding for wall-clock speedup
+    # T=0: each answer of the first `greedy_check` questions (null: all) is followed with the target's one-token
+    # forwards, as plain greedy decoding computes them (pipeline/decoding/ties.py); every question with a baseline
+    # is checked too (the check is its baseline, the same forwards). A token the target does not rank first fails
+    # the eval, unless its margin is a numerical tie of the precision (none in fp32). 0: the baseline's partings
+    # are recorded, none fails the eval.
+    greedy_check: Optional[int] = 10
+    # A turn whose answer repeats itself (a share of its token 4-grams seen earlier in it above this) is flagged:
+    # the summary gives tau without such turns too, since a loop inflates tau.
+    loop_share: float = 0.5
     # Vanilla baseline on the first N questions only (None: all). Speedup compares the same turns both ways;
     # tau always covers every question. Halves a long CPU eval at the cost of a smaller speedup sample.
     baseline_limit: Optional[int] = None

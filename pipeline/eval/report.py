@@ -23,7 +23,7 @@ def acceptance_by_depth(records: Sequence[TurnRecord], max_draft_len: int) -> li
     return acceptance_rates(_accept_lengths(records), max_draft_len)
 
 
-def summarize(records: Sequence[TurnRecord], settings: dict, max_draft_len: int) -> dict:
+def summarize(records: Sequence[TurnRecord], settings: dict, max_draft_len: int, loop_share: float = 0.5) -> dict:
     by_cat: dict[str, list[TurnRecord]] = defaultdict(list)
     for r in records:
         by_cat[r.category].append(r)
@@ -42,8 +42,37 @@ def summarize(records: Sequence[TurnRecord], settings: dict, max_draft_len: int)
         "spec_tokens_per_s": new_tokens / spec_s if spec_s else float("nan"),
         "time_fraction": {k: v / spec_s if spec_s else float("nan") for k, v in step_s.items()},
     }
+    summary["tau_per_turn"] = {str(t + 1): tau_of([r for r in records if r.turn == t])
+                               for t in sorted({r.turn for r in records})}
     summary.update(_baseline(records, settings.get("dtype", "float32")))
+    if (check := greedy_check(records, settings.get("dtype", "float32"))) is not None:
+        summary["greedy_check"] = check
+    summary["looping"] = looping(records, loop_share)
     return summary
+
+
+def greedy_check(records: Sequence[TurnRecord], precision: str) -> Optional[dict]:
+    """What the T=0 check (evaluate.py, pipeline/decoding/ties.py) found over the turns it followed: how many
+    stayed on the target's greedy path, tau over those (tau on the target's own path), and the partings, each a
+    numerical tie of the precision (a parting above the bound failed the eval, unless the check was off)."""
+    checked = [r for r in records if r.partings is not None]
+    if not checked:
+        return None
+    on_path = [r for r in checked if not r.partings]
+    partings = [p for r in checked for p in r.partings]
+    return {"precision": precision, "turns": len(checked), "on_greedy_path": len(on_path),
+            "tau_on_greedy_path": tau_of(on_path) if on_path else None,
+            "partings": len(partings), "ties": sum(p["tie"] for p in partings),
+            "largest_margin": max((p["margin"] for p in partings), default=None),
+            "largest_margin_bound": max(partings, key=lambda p: p["margin"])["bound"] if partings else None}
+
+
+def looping(records: Sequence[TurnRecord], share: float) -> dict:
+    """Turns whose answer repeats itself (TurnRecord.repeat_share above `share`), and tau without them."""
+    flagged = [r for r in records if r.repeat_share is not None and r.repeat_share > share]
+    rest = [r for r in records if r not in flagged]
+    return {"threshold": share, "turns": len(flagged), "flagged": [[r.question_id, r.turn + 1] for r in flagged],
+            "tau_without": tau_of(rest) if rest else None}
 
 
 def _baseline(records: Sequence[TurnRecord], precision: str) -> dict:
@@ -80,8 +109,23 @@ def format_summary(summary: dict) -> str:
         lines.append(f"speedup {summary['speedup']:.2f}x  (vanilla {summary['baseline_tokens_per_s']:.1f} tokens/s "
                      f"in {summary.get('baseline_precision', s.get('dtype'))}, the faster precision, over "
                      f"{summary['baseline_turns']} turns, {s['device']}; spec decoding in {s.get('dtype')})")
-    if "greedy_matches_baseline" in summary:
-        lines.append(f"greedy output identical to vanilla decoding: {summary['greedy_matches_baseline']} turns")
+    if "greedy_check" in summary:
+        g = summary["greedy_check"]
+        line = (f"greedy check ({g['precision']}): {g['on_greedy_path']}/{g['turns']} turns identical to plain greedy "
+                f"decoding")
+        if g["partings"]:
+            line += (f"; {g['partings']} partings, {g['ties']} within the tie bound (largest margin "
+                     f"{g['largest_margin']:.3g}, its bound {g['largest_margin_bound']:.3g})")
+        if g["tau_on_greedy_path"] is not None and g["on_greedy_path"] < g["turns"]:
+            line += f"; tau on those turns {g['tau_on_greedy_path']:.3f}"
+        lines.append(line)
+    if len(summary.get("tau_per_turn", {})) > 1:
+        lines.append("per turn: " + ", ".join(f"turn {t} {v:.2f}" for t, v in summary["tau_per_turn"].items()))
+    if summary.get("looping", {}).get("turns"):
+        lp = summary["looping"]
+        lines.append(f"looping answers (repeated 4-gram share > {lp['threshold']:g}): {lp['turns']} turns; tau "
+                     f"without them {lp['tau_without']:.3f}" if lp["tau_without"] is not None else
+                     f"looping answers: all {lp['turns']} turns")
     lines.append("per category: " + ", ".join(f"{c} {t:.2f}" for c, t in summary["tau_per_category"].items()))
     lines.append("acceptance by depth: " + " ".join(f"{a:.2f}" for a in summary["acceptance_by_depth"]))
     tf = summary["time_fraction"]

@@ -77,7 +77,7 @@ def main(cfg) -> dict:
                                progress=progress, deadline=deadline,
                                fp32_model=fp32_baseline_model(cfg, target), agree=layout.agree)
     # A draft path holds up to depth + 1 tokens (EAGLE's round 0 plus `depth` expansions): report every level.
-    summary = summarize(records, settings, tree.depth + 1)
+    summary = summarize(records, settings, tree.depth + 1, cfg.eval.loop_share)
     if choice is not None:
         summary["tree_choice"] = choice
     n_done = len({r.question_id for r in records})

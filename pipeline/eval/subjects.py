@@ -42,6 +42,17 @@ def build_drafter(cfg, target, subject: Optional[str] = None):
         lk = cfg.eval.lookup
         info = {"name": "prompt_lookup", "kind": "prompt_lookup", "max_ngram": lk.max_ngram, "min_ngram": lk.min_ngram}
         return PromptLookupDrafter(lk.max_ngram, lk.min_ngram), info, []
+    if cfg.eval.head_dir and subject == cfg.eval_subject:  # an exported head, as shipped
+        from pipeline.export.exporter import load_shipped_head  # (the export code: only for an export)
+
+        head_dir = Path(cfg.eval.head_dir)
+        head, manifest = load_shipped_head(head_dir, head_target(target, cfg.target))
+        head = head.to(device=target.device, dtype=target.dtype)
+        trained = (manifest.inputs or [{}])[0].get("manifest_sha256")
+        info = {"name": subject, "kind": head.config.kind, "export": str(head_dir), "export_format": manifest.format,
+                "export_code_version": manifest.code_version, "train_manifest_sha256": trained,
+                "config": head.config.to_dict()}
+        return make_drafter(head), info, [head_dir]
     train_dir = cfg.experiment_dir / "train" / subject
     train_manifest = TrainManifest.load(train_dir)
     # Refuses a head trained on another target (or chat template, unless allowed on purpose).

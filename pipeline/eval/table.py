@@ -20,8 +20,9 @@ from pipeline.eval.progress import PARTIAL, read_answers
 from pipeline.eval.report import tau_of
 from pipeline.eval.results_store import precision_of, without_precision
 
-HEADER = ("| head | question set | T | questions | turns | tau | alpha_1..3 | speedup (CPU) | tokens/s spec / vanilla "
-          "| tree (depth, top_k, tokens) |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| head | question set | T | precision | questions | turns | tau | tau turn 1 / 2 | greedy path | alpha_1..3 "
+          "| speedup (CPU) | tokens/s spec / vanilla | tree (depth, top_k, tokens) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def eval_summaries(experiment_dir: Path) -> list[tuple[str, str, dict]]:
@@ -50,8 +51,21 @@ def row(head: str, run: str, s: dict) -> str:
     rates += f" / {s['baseline_tokens_per_s']:.1f}" if "baseline_tokens_per_s" in s else ""
     c = s.get("tree_choice")  # (tree.depth/total_tokens=-1: the tree eval chose on this device)
     tree = f"chosen: {tree_shape(c)}" if c else tree_shape(st)
-    return (f"| {head} | {run.rsplit('-T', 1)[0]} | {st['temperature']:g} | {done} | {s['turns']} | "
-            f"**{s['tau']:.2f}** | {alpha} | {speed} | {rates} | {tree} |")
+    turns = s.get("tau_per_turn", {})
+    by_turn = " / ".join(f"{turns[t]:.2f}" for t in ("1", "2") if t in turns) if len(turns) > 1 else "-"
+    return (f"| {head} | {run.rsplit('-T', 1)[0]} | {st['temperature']:g} | {st.get('dtype', '?')} | {done} | "
+            f"{s['turns']} | **{s['tau']:.2f}** | {by_turn} | {greedy_path(s)} | {alpha} | {speed} | {rates} | "
+            f"{tree} |")
+
+
+def greedy_path(s: dict) -> str:
+    """A run's greedy-identity count: turns identical to plain greedy decoding of the checked ones, with the
+    partings that were ties (T=0); '-' for sampling or a run that checked nothing."""
+    g = s.get("greedy_check")
+    if g is None:
+        return f"{s['greedy_matches_baseline']} (unchecked ties)" if "greedy_matches_baseline" in s else "-"
+    ties = f", {g['ties']} tie{'s' * (g['ties'] != 1)}" if g["partings"] else ""
+    return f"{g['on_greedy_path']}/{g['turns']}{ties}"
 
 
 def table(experiment_dir: Path) -> str:

@@ -43,7 +43,7 @@ from pipeline.manifest import MANIFEST, ExportManifest, ManifestError, check_fin
 from pipeline.precision import parse_dtype
 from pipeline.target import TargetParts
 
-from .exporter import CONFIG, WEIGHTS, export_problems, export_state, load_export, read_config
+from .exporter import CONFIG, WEIGHTS, export_problems, export_state, load_export, read_config, recorded_convention
 from .formats import SAFETENSORS_DTYPES, ExportError, ExportFormat
 from .formats.gguf import GGUF_FILE
 from .formats.sglang import SGLANG_RULES
@@ -177,7 +177,7 @@ def diagnose(export_dir: Path, target, train_dir: Optional[Path] = None, run_sam
     if manifest is not None:
         findings += _file_findings(export_dir, manifest)
         findings += _fingerprint_findings(manifest, target)
-    convention = str(sglang_aux_convention or _recorded_convention(manifest))
+    convention = str(sglang_aux_convention or recorded_convention(manifest))
     reference = _reference(manifest, train_dir, target, findings)
 
     try:
@@ -270,11 +270,6 @@ def _fingerprint_findings(manifest: ExportManifest, target) -> list[Finding]:
         return [Finding(PROBLEM, MANIFEST, "target", f"{first}: the export was made for another target than the "
                                                      f"one given")]
     return []
-
-
-def _recorded_convention(manifest: Optional[ExportManifest]) -> str:
-    export = (manifest.config.get("export") or {}) if manifest is not None else {}
-    return (export.get("sglang") or {}).get("aux_convention") or "output"
 
 
 def train_input(manifest: Optional[ExportManifest]) -> Optional[Path]:

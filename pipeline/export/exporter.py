@@ -15,7 +15,7 @@ from pipeline.decoding.tree import DEFAULT_TREE, TreeSpec
 from pipeline.files import atomic_dir
 from pipeline.heads import build_draft_head, head_spec
 from pipeline.heads.io import check_finite
-from pipeline.manifest import MANIFEST, check_files, load_manifest
+from pipeline.manifest import MANIFEST, ExportManifest, check_files, check_target, load_manifest
 from pipeline.target import Target
 
 from .formats import ExportContext, ExportError, ExportFormat, detect_format, format_for_head
@@ -249,6 +249,22 @@ def load_export(export_dir: Path, target, device: Optional[torch.device] = None,
         form.fill_from_target(head, model)
     param = next(model.parameters())
     return head.to(device=device or param.device, dtype=dtype or param.dtype).eval()
+
+
+def recorded_convention(manifest: Optional[ExportManifest]) -> str:
+    """The aux-layer numbering an export's SGLang config was written in (its manifest's export.sglang section)."""
+    export = (manifest.config.get("export") or {}) if manifest is not None else {}
+    return (export.get("sglang") or {}).get("aux_convention") or "output"
+
+
+def load_shipped_head(export_dir: Path, target) -> tuple[nn.Module, ExportManifest]:
+    """The head of an export folder as shipped (a committed head, a downloaded one: no training folder), held to
+    its manifest first: its files as recorded, made for this target (fingerprint, as a train manifest is held)."""
+    export_dir = Path(export_dir)
+    manifest = ExportManifest.load(export_dir)
+    check_files(export_dir, manifest.files, "exported head", "copy the export's files and its manifest.json again")
+    check_target(target.fingerprint, manifest, export_dir / MANIFEST, what="exported head's target")
+    return load_export(export_dir, target, sglang_aux_convention=recorded_convention(manifest)), manifest
 
 
 @torch.no_grad()

@@ -1,39 +1,16 @@
-"""The bf16 tie criterion: tree decoding against vanilla decoding with a bf16 target (test_bf16_ties.py, and the
-GPU kit's device check, tools/gpu/checks.py).
-
-In bf16 the two cannot be promised equal token for token: the verification forward computes a position inside a
-block of tree tokens, vanilla decoding computes it alone, and the two round differently. At the first position
-where they part, both saw the same tokens before it, vanilla picked `a` (argmax of its logits z) and the tree
-decoder `b`. That is a numerical tie, not a bug, when the margin z_a - z_b is within what the two layouts' last
-roundings can move the two logits:
-
-    bound = sum over t in {a, b} of  ulp(z_t) + 2u * sum_i |W_ti| |h_i|
-
-- the logits are bf16: each layout rounds z_t to bf16, at most half an ulp each, so one ulp for two layouts;
-- the final hidden state h (bf16, the input of the lm_head rows W_t) is rounded in each layout, each element
-  by at most u relative (u = 2^-8, bf16's unit roundoff for round-to-nearest), so 2u for two layouts,
-  carried to z_t by |W_ti| exactly.
-This counts the last rounding of each layout, the one every layout has. Upstream, the two layouts also
-round differently in every layer, and that is not bounded here: the bound is the size of a numerical tie at
-the output, a criterion rather than a proof. It is small (a few ulps of the top logit), and a verifier that
-emits a token the target does not rank first lands far outside it (test_bf16_ties.py breaks the verifier to
-show that the check fails). The exact lossless property is tested in fp32 (test_decoder.py).
-"""
+"""The bf16 tie check on tiny models: tree decoding against vanilla decoding with a bf16 target (test_bf16_ties.py,
+and the GPU kit's device check, tools/gpu/checks.py). The criterion, a numerical tie of the precision at the first
+position where the two part, is eval's own (pipeline/decoding/ties.py, where the bound is derived)."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-BF16_UNIT_ROUNDOFF = 2.0 ** -8  # u: relative rounding error of round-to-nearest with 8 significant bits
+from pipeline.decoding.ties import tie_bound
+
 QUESTIONS = ["What is 12 times 7?", "Write a short poem about the sea.", "def add(a, b):",
              "Hello! How can I help you today?", "The quick brown fox", "Speculative decoding drafts tokens"]
-
-
-def bf16_ulp(x: float) -> float:
-    """Spacing of bf16 numbers at |x| (8 significant bits)."""
-    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0 ** -126))) - 7)
 
 
 @torch.no_grad()
@@ -57,9 +34,7 @@ def tie_check(model, prompt: list[int], generated: list[int], a: int, b: int) ->
     """Vanilla picked `a` and the tree decoder `b` after prompt + generated: the margin z_a - z_b against the
     bound above."""
     z, h = vanilla_state(model, prompt, generated)
-    w = model.get_output_embeddings().weight
-    bound = sum(bf16_ulp(float(z[t])) + 2 * BF16_UNIT_ROUNDOFF * float((w[t].float().abs() * h.abs()).sum())
-                for t in (a, b))
+    bound = tie_bound(z, h, model.get_output_embeddings().weight, a, b, torch.bfloat16)
     margin = float(z[a] - z[b])
     return {"margin": margin, "bound": bound, "tie": margin <= bound, "top": float(z.max())}
 

@@ -267,7 +267,8 @@ def first_json(root: Path, pattern: str) -> dict:
 
 def pick_summary(summary: dict) -> dict:
     keys = ("tau", "turns", "new_tokens", "spec_tokens_per_s", "baseline_tokens_per_s", "speedup",
-            "greedy_matches_baseline", "acceptance_by_depth", "questions_done", "questions")
+            "greedy_matches_baseline", "greedy_check", "tau_per_turn", "looping", "acceptance_by_depth",
+            "questions_done", "questions")
     return {k: summary[k] for k in keys if k in summary}
 
 
