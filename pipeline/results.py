@@ -59,6 +59,32 @@ def manifest_machine(path: Path, sha256: str) -> str | None:
     return None
 
 
+def shipped_first(head_dir: Path, evals: list) -> list:
+    """The evals of the folder as shipped (eval.head_dir) first, then those of its train run."""
+    return sorted(evals, key=lambda e: (e[0] != head_dir.name, e[0], e[1]))
+
+
+def lossless_claim(head_dir: Path, store: Path) -> str:
+    """What the card says of the target's output, from what the store's evals of the shipped folder checked: the
+    turns proved to be the target's greedy output (eval's greedy check, exact in fp32), or that none were."""
+    checked = [s["greedy_check"] for h, _, s in eval_summaries(store)
+               if h == head_dir.name and s.get("greedy_check")]
+    if not checked:
+        return ("Speculative decoding verifies every drafted token with the target, so it sets only how many tokens "
+                "each target forward emits (tau, below); no eval of this folder has checked its outputs yet.")
+    exact = [g for g in checked if g["precision"] == "float32"]
+    on, turns = sum(g["on_greedy_path"] for g in exact), sum(g["turns"] for g in exact)
+    ties = sum(g["ties"] for g in checked if g["precision"] != "float32")
+    line = (f"Speculative decoding with it sets only how many tokens each target forward emits (tau, below): eaglet's "
+            f"eval followed every checked answer with the target's own one-token forwards, and in fp32 {on} of "
+            f"{turns} turns were the target's greedy output token for token")
+    if on < turns:
+        line += " (the others failed the check: see the greedy path column)"
+    if ties:
+        line += f"; in bf16 {ties} steps parted from it at numerical ties of the precision"
+    return line + "."
+
+
 def model_card(head_dir: Path, store: Path) -> str:
     """The model card of `head_dir` (an export's files with its manifest.json beside them, checked against it):
     what the head is, how it was trained (the store's train manifest of the head), every eval of it the store
@@ -86,8 +112,7 @@ def model_card(head_dir: Path, store: Path) -> str:
              f"# {head_dir.name}", "",
              f"An {kind} draft head for [{base}](https://huggingface.co/{base}), trained with eaglet (experiment "
              f"`{store.name}`, head `{head['name']}`) and exported in its `{export['format']}` format "
-             f"({export['config']['export'].get('dtype', '?')}). Speculative decoding with it leaves the target's "
-             f"output unchanged: it only sets how many tokens each target forward emits (tau, below).", "",
+             f"({export['config']['export'].get('dtype', '?')}). {lossless_claim(head_dir, store)}", "",
              "## The head", "",
              "| hidden size | draft vocabulary | target layers fused | TTT rounds | lm_head start | parameters | "
              "model.safetensors |", "|---|---|---|---|---|---|---|",
@@ -121,9 +146,9 @@ def model_card(head_dir: Path, store: Path) -> str:
     same = {exported} | {c.get("train_manifest_sha256") for c in (train or {}).get("carries", []) if c.get("complete")}
     # ... and the evals of this folder as shipped (eval.head_dir: under its folder's name, naming its manifest).
     shipped = sha256_file(head_dir / MANIFEST)
-    evals = [(h, r, s) for h, r, s in eval_summaries(store) if (h == head["name"] and (
+    evals = shipped_first(head_dir, [(h, r, s) for h, r, s in eval_summaries(store) if (h == head["name"] and (
         not exported or s.get("head_manifest_sha256", exported) in same)) or (
-        h == head_dir.name and s.get("head_manifest_sha256") == shipped)]
+        h == head_dir.name and s.get("head_manifest_sha256") == shipped)])
     lines += ["## Quality", ""]
     if evals:
         lines += ["eaglet's tree speculative decoder on the target (`stage=eval`); tau is the mean tokens emitted per "

@@ -375,6 +375,21 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
 
     results_main(["card", str(head_dir), str(store)])
     card = (head_dir / "README.md").read_text()
+    assert "no eval of this folder has checked its outputs yet" in card  # nothing claimed that was not checked
+    # The folder as shipped, evaluated by eval.head_dir (under its folder's name, naming its manifest): first, and
+    # what its greedy check proved is what the card claims.
+    shipped = {**summary, "tau": 1.9, "settings": {**summary["settings"], "dtype": "float32"},
+               "head_manifest_sha256": sha256_file(head_dir / "manifest.json"), "tau_per_turn": {"1": 2.0, "2": 1.8},
+               "greedy_check": {"precision": "float32", "turns": 160, "on_greedy_path": 160, "partings": 0, "ties": 0}}
+    (store / "eval" / head_dir.name / "mt_bench-T0-m256-float32-tree10x6x60").mkdir(parents=True)
+    (store / "eval" / head_dir.name / "mt_bench-T0-m256-float32-tree10x6x60" / "summary.json").write_text(
+        json.dumps(shipped))
+    results_main(["card", str(head_dir), str(store)])
+    card = (head_dir / "README.md").read_text()
+    assert "in fp32 160 of 160 turns were the target's greedy output token for token." in card
+    rows = [line for line in card.splitlines() if line.startswith(("| eagle3 |", "| tiny-eagle3 |"))]
+    assert rows[0] == ("| tiny-eagle3 | mt_bench | 0 | float32 | 80/80 | 160 | **1.90** | 2.00 / 1.80 | 160/160 | "
+                       "0.60 0.40 0.30 | 1.67x (20 turns) | 50.0 / 30.0 | 6, 10, 60 |")
     assert card.startswith(f"---\nbase_model: {VERIFIER}\n")
     assert sha256_file(head_dir / "model.safetensors")[:16] in card
     assert "2,523 conversations, 2,160,000 tokens per epoch, the target's own answers" in card
@@ -383,7 +398,7 @@ def test_a_committed_head_gets_a_model_card_from_its_export_and_the_results_stor
     # carried run's manifest instead
     assert ("trained on the machine its train manifest 111111111111 names; rebuilt on AMD EPYC, 2 threads from its "
             "complete carry (no step trained there) in bfloat16") in card
-    assert "| eagle3 | mt_bench-n80 | 0 | 80/80 | 160 | **2.40** |" in card and "1.67x (20 turns)" in card
+    assert "| eagle3 | mt_bench-n80 | 0 | bfloat16 | 80/80 | 160 | **2.40** | - | - |" in card
     assert "**9.00**" not in card and "**2.20**" in card and "2 threads" in card
     assert f"--speculative-draft-model-path {head_dir} --speculative-num-steps 6" in card  # served from its folder
 

@@ -53,7 +53,8 @@ def row(head: str, run: str, s: dict) -> str:
     tree = f"chosen: {tree_shape(c)}" if c else tree_shape(st)
     turns = s.get("tau_per_turn", {})
     by_turn = " / ".join(f"{turns[t]:.2f}" for t in ("1", "2") if t in turns) if len(turns) > 1 else "-"
-    return (f"| {head} | {run.rsplit('-T', 1)[0]} | {st['temperature']:g} | {st.get('dtype', '?')} | {done} | "
+    precision = st.get("dtype") or precision_of(run) or "?"
+    return (f"| {head} | {run.rsplit('-T', 1)[0]} | {st['temperature']:g} | {precision} | {done} | "
             f"{s['turns']} | **{s['tau']:.2f}** | {by_turn} | {greedy_path(s)} | {alpha} | {speed} | {rates} | "
             f"{tree} |")
 
