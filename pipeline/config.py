@@ -11,7 +11,7 @@ from pipeline.data.config import DataConfig, SourceConfig  # noqa: F401  (re-exp
 from pipeline.data.templates import template_label
 from pipeline.eval.config import EvalConfig, TreeConfig
 from pipeline.export.config import ExportConfig
-from pipeline.files import check_inside, check_name, safe_name
+from pipeline.files import check_inside, check_name, folder_name, safe_name
 from pipeline.heads import HeadConfig, head_config
 from pipeline.hidden_states.config import DumpConfig
 from pipeline.regen.config import RegenConfig
@@ -95,7 +95,7 @@ class EagletConfig:
         if self.eval.compare:
             return "compare"
         if self.eval.drafter == "head" and self.eval.head_dir:  # an exported head: its folder's name
-            return safe_name(Path(self.eval.head_dir).resolve().name, 64)
+            return folder_name(self.eval.head_dir)
         return self.head.name if self.eval.drafter == "head" else str(self.eval.drafter)
 
     @property

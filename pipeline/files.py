@@ -45,6 +45,11 @@ def safe_name(text: str, max_len: int = MAX_NAME) -> str:
     return name or "unnamed"
 
 
+def folder_name(path) -> str:
+    """The name an eval of a head folder (eval.head_dir) files its runs under: the folder's own, made valid."""
+    return safe_name(Path(os.path.abspath(path)).name, 64)
+
+
 def check_inside(path: Path, root: Path, key: str) -> Path:
     """`path` if it lies inside `root`, else ValueError. Both are made absolute and normalized lexically (`..`
     folded): a name cannot climb out, while a symlink the user placed under `root` stays the user's choice."""

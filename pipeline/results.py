@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline.answers import compose
 from pipeline.eval import results_store
 from pipeline.eval.table import HEADER, eval_summaries, row
-from pipeline.files import sha256_file
+from pipeline.files import folder_name, sha256_file
 from pipeline.manifest import MANIFEST, check_files, rebuilt_from
 
 CARD = "README.md"
@@ -61,14 +61,15 @@ def manifest_machine(path: Path, sha256: str) -> str | None:
 
 def shipped_first(head_dir: Path, evals: list) -> list:
     """The evals of the folder as shipped (eval.head_dir) first, then those of its train run."""
-    return sorted(evals, key=lambda e: (e[0] != head_dir.name, e[0], e[1]))
+    return sorted(evals, key=lambda e: (e[0] != folder_name(head_dir), e[0], e[1]))
 
 
 def lossless_claim(head_dir: Path, store: Path) -> str:
     """What the card says of the target's output, from what the store's evals of the shipped folder checked: the
     turns proved to be the target's greedy output (eval's greedy check, exact in fp32), or that none were."""
+    shipped = sha256_file(head_dir / MANIFEST)
     checked = [s["greedy_check"] for h, _, s in eval_summaries(store)
-               if h == head_dir.name and s.get("greedy_check")]
+               if h == folder_name(head_dir) and s.get("head_manifest_sha256") == shipped and s.get("greedy_check")]
     if not checked:
         return ("Speculative decoding verifies every drafted token with the target, so it sets only how many tokens "
                 "each target forward emits (tau, below); no eval of this folder has checked its outputs yet.")
@@ -148,7 +149,7 @@ def model_card(head_dir: Path, store: Path) -> str:
     shipped = sha256_file(head_dir / MANIFEST)
     evals = shipped_first(head_dir, [(h, r, s) for h, r, s in eval_summaries(store) if (h == head["name"] and (
         not exported or s.get("head_manifest_sha256", exported) in same)) or (
-        h == head_dir.name and s.get("head_manifest_sha256") == shipped)])
+        h == folder_name(head_dir) and s.get("head_manifest_sha256") == shipped)])
     lines += ["## Quality", ""]
     if evals:
         lines += ["eaglet's tree speculative decoder on the target (`stage=eval`); tau is the mean tokens emitted per "

@@ -142,10 +142,15 @@ def test_an_fp32_eval_fails_at_a_verification_bug_naming_the_turn_and_step(tiny_
     assert message.startswith("question q1 turn 1, step 5: the speculative decoder emitted token ")
     assert "above the float32 tie bound 0;" in message and "not the target's greedy output" in message
     assert "\n" not in message
-    # eval.greedy_check=0: the check is off (nothing checked without a baseline) and the bug goes unseen.
+    # eval.greedy_check=0: nothing fails. Without a baseline nothing is checked; with one, its forwards (the check)
+    # record the parting, and the turn is not on the greedy path.
     monkeypatch.setattr(decoder, "verify_greedy", runner_up_bonus(at_call=5))
     unchecked = answer_questions(target, OnePerTurnDrafter(target), QUESTIONS, cfg(greedy_check=0), TREE)
     assert all(r.partings is None for r in unchecked)
+    monkeypatch.setattr(decoder, "verify_greedy", runner_up_bonus(at_call=5))
+    recorded = answer_questions(target, OnePerTurnDrafter(target), QUESTIONS, cfg(greedy_check=0, baseline=True), TREE)
+    assert [len(r.partings) >= 1 for r in recorded] == [True, False, False] and recorded[0].partings[0]["step"] == 5
+    assert recorded[0].baseline_new_tokens == recorded[0].new_tokens and not recorded[0].matches_baseline
 
 
 def test_a_bf16_eval_counts_exact_ties_and_fails_a_parting_above_the_bound(tiny_model_dir, monkeypatch):
@@ -179,6 +184,19 @@ def test_a_bf16_eval_counts_exact_ties_and_fails_a_parting_above_the_bound(tiny_
     monkeypatch.setattr(decoder, "verify_greedy", runner_up_bonus(at_call=2))
     with pytest.raises(GreedyPathError, match=r"question q1 turn 1, step 2: .* above the bfloat16 tie bound "):
         answer_questions(target, OnePerTurnDrafter(target), [prompt], cfg(), TREE)
+
+
+def test_a_compared_drafter_parting_from_vanilla_above_the_bound_fails_the_comparison(tiny_model_dir, monkeypatch,
+                                                                                       tmp_path):
+    from pipeline.eval.compare import decode_turns
+    from tests.support.config import compose_cfg
+
+    target = tiny(tiny_model_dir, "float32")
+    config = compose_cfg(["target=hf", f"target.path={tiny_model_dir}", "target.name=tiny", "eval.max_new_tokens=24"])
+    variants = {"oracle": (OnePerTurnDrafter(target), {"top_k": 4, "depth": 3, "total_tokens": 12})}
+    monkeypatch.setattr(decoder, "verify_greedy", runner_up_bonus(at_call=3))
+    with pytest.raises(GreedyPathError, match=r"^question q1 turn 1, step 3: .* above the float32 tie bound 0;"):
+        decode_turns(config, target, variants, QUESTIONS, tmp_path)
 
 
 def test_a_looping_answer_is_flagged_and_tau_is_given_without_it():

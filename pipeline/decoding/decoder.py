@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from pipeline.families import attention_layer_types, family_of
 
 from .drafter import Drafter
-from .ties import Parting, parting_at
+from .ties import UNIT_ROUNDOFF, Parting, parting_at
 from .tree import DEFAULT_TREE, TreeSpec
 from .verify import logits_to_probs, sample, verify_greedy, verify_sampling
 
@@ -268,7 +268,7 @@ def generate(
     token = _next_token(logits[-1], temperature, top_p, gen)
     out: list[int] = []
     accept_lengths: list[int] = []
-    gaps: list[float] = [] if temperature > 0 else [top2_gap(logits[-1])]
+    gaps: list[torch.Tensor] = [] if temperature > 0 else [top2_gap(logits[-1])]
     done = _emit(out, [token], max_new_tokens, eos)
     if not done:
         with clock("draft"):
@@ -303,12 +303,14 @@ def generate(
     return GenerationResult(
         tokens=out, accept_lengths=accept_lengths, n_target_forwards=len(accept_lengths),
         target_time=clock.totals["target"], draft_time=clock.totals["draft"],
-        other_time=wall - clock.totals["target"] - clock.totals["draft"], gaps=gaps)
+        other_time=wall - clock.totals["target"] - clock.totals["draft"],
+        gaps=torch.stack(gaps).tolist() if gaps else [])  # read once, after the clock: no sync per token
 
 
-def top2_gap(row: torch.Tensor) -> float:
+def top2_gap(row: torch.Tensor) -> torch.Tensor:
+    """The top-1 minus top-2 logit of a row, on its device (0-d)."""
     top = torch.topk(row.float(), 2).values
-    return float(top[0] - top[1])
+    return top[0] - top[1]
 
 
 @torch.no_grad()
@@ -352,20 +354,25 @@ def follow_greedy(target: torch.nn.Module, input_ids, tokens: Sequence[int]) -> 
     device, dtype = target.device, target.dtype
     ids = _as_ids(input_ids, device)
     clock = _Clock(device)
-    plain = supports_row_logits(target)  # logits = lm_head(h): the bound's rounding of h applies
-    weight = target.get_output_embeddings().weight if plain else None
+    # The bound's rounding of h applies where logits = lm_head(h) in a rounded precision: only there is h captured
+    # (fp32 is exact; the forwards are otherwise vanilla_generate's, and as fast: they time its baseline).
+    with_h = supports_row_logits(target) and dtype in UNIT_ROUNDOFF
+    weight = target.get_output_embeddings().weight if with_h else None
+    if weight is not None and hasattr(weight, "full_tensor"):  # a tensor-parallel lm_head: the whole rows
+        weight = weight.full_tensor()
+    layers = (-1,) if with_h else ()
     cache = _new_cache(target)
     partings: list[Parting] = []
     t_start = time.perf_counter()
     with clock("target"):
-        logits, h = target_forward(target, ids[None], cache, (-1,), logits_to_keep=1)
+        logits, h = target_forward(target, ids[None], cache, layers, logits_to_keep=1)
     for step, token in enumerate(tokens):
-        parting = parting_at(step, logits[-1], h[-1] if plain else None, weight, int(token), dtype)
+        parting = parting_at(step, logits[-1], h[-1] if with_h else None, weight, int(token), dtype)
         if parting is not None:
             partings.append(parting)
         if step + 1 < len(tokens):
             with clock("target"):
-                logits, h = target_forward(target, torch.tensor([[int(token)]], device=device), cache, (-1,),
+                logits, h = target_forward(target, torch.tensor([[int(token)]], device=device), cache, layers,
                                            logits_to_keep=1)
     wall = time.perf_counter() - t_start
     result = GenerationResult(tokens=list(tokens), n_target_forwards=max(len(tokens) - 1, 0),

@@ -165,7 +165,11 @@ def decode_turn(target, fp32_model, variants: dict, prompt: torch.Tensor, max_ne
         step = next((j for j, (x, y) in enumerate(zip(tokens, base)) if x != y), None)
         if step is not None:
             _, partings = follow_greedy(target.model, prompt, tokens[:step + 1])
-            parting = partings[-1]
+            parting = next((p for p in partings if p.step == step), None)
+            if parting is None or len(partings) > 1:  # vanilla's own forwards disagree with themselves
+                raise RuntimeError(f"{name}: its answer parts from vanilla decoding's at step {step}, but the target's "
+                                   f"one-token forwards part at {[p.step for p in partings]}: a nondeterministic "
+                                   f"target (set torch.use_deterministic_algorithms)")
             parting.verify_gap = results[name].gaps[step] if step < len(results[name].gaps) else None
             out[name]["parting"] = parting.as_dict()
     return out, base

@@ -57,6 +57,7 @@ def main(cfg) -> dict:
                 **({"thinking": str(cfg.regen.thinking)} if cfg.regen.thinking != "template" else {})}
     identity = {"settings": settings, "seed": cfg.eval.seed, "baseline": cfg.eval.baseline,
                 "baseline_limit": cfg.eval.baseline_limit, "system_prompt": cfg.data.system_prompt,
+                "greedy_check": cfg.eval.greedy_check,  # a resumed run never mixes checked and unchecked turns
                 **({"head_manifest_sha256": sha256_file(inputs[0] / MANIFEST)} if inputs else
                    {"drafter": drafter_info}),
                 "questions_sha256": hashlib.sha256(json.dumps([[q.id, q.system, q.turns] for q in questions])

@@ -46,7 +46,8 @@ def build_drafter(cfg, target, subject: Optional[str] = None):
         from pipeline.export.exporter import load_shipped_head  # (the export code: only for an export)
 
         head_dir = Path(cfg.eval.head_dir)
-        head, manifest = load_shipped_head(head_dir, head_target(target, cfg.target))
+        head, manifest = load_shipped_head(head_dir, head_target(target, cfg.target),
+                                           allow_template_mismatch=cfg.eval.allow_template_mismatch)
         head = head.to(device=target.device, dtype=target.dtype)
         trained = (manifest.inputs or [{}])[0].get("manifest_sha256")
         info = {"name": subject, "kind": head.config.kind, "export": str(head_dir), "export_format": manifest.format,

@@ -257,13 +257,16 @@ def recorded_convention(manifest: Optional[ExportManifest]) -> str:
     return (export.get("sglang") or {}).get("aux_convention") or "output"
 
 
-def load_shipped_head(export_dir: Path, target) -> tuple[nn.Module, ExportManifest]:
+def load_shipped_head(export_dir: Path, target, allow_template_mismatch: bool = False
+                      ) -> tuple[nn.Module, ExportManifest]:
     """The head of an export folder as shipped (a committed head, a downloaded one: no training folder), held to
-    its manifest first: its files as recorded, made for this target (fingerprint, as a train manifest is held)."""
+    its manifest first: its files as recorded, made for this target (fingerprint, as a train manifest is held;
+    `allow_template_mismatch`: but for the chat template)."""
     export_dir = Path(export_dir)
     manifest = ExportManifest.load(export_dir)
     check_files(export_dir, manifest.files, "exported head", "copy the export's files and its manifest.json again")
-    check_target(target.fingerprint, manifest, export_dir / MANIFEST, what="exported head's target")
+    check_target(target.fingerprint, manifest, export_dir / MANIFEST, what="exported head's target",
+                 allow_template_mismatch=allow_template_mismatch)
     return load_export(export_dir, target, sglang_aux_convention=recorded_convention(manifest)), manifest
 
 
