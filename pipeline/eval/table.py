@@ -64,7 +64,7 @@ def greedy_path(s: dict) -> str:
     partings that were ties (T=0); '-' for sampling or a run that checked nothing."""
     g = s.get("greedy_check")
     if g is None:
-        return f"{s['greedy_matches_baseline']} (unchecked ties)" if "greedy_matches_baseline" in s else "-"
+        return f"{s['greedy_matches_baseline']}, partings unchecked" if "greedy_matches_baseline" in s else "-"
     ties = f", {g['ties']} tie{'s' * (g['ties'] != 1)}" if g["partings"] else ""
     return f"{g['on_greedy_path']}/{g['turns']}{ties}"
 
