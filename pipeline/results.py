@@ -155,7 +155,11 @@ def model_card(head_dir: Path, store: Path) -> str:
         lines += ["eaglet's tree speculative decoder on the target (`stage=eval`); tau is the mean tokens emitted per "
                   "target forward, the speedup is against plain decoding on the same machine:", "", HEADER,
                   *(row(*e) for e in evals), "",
-                  *sorted({f"- `{r}`: {s['machine']}" for _, r, s in evals if s.get("machine")}), ""]
+                  *sorted({f"- `{r}`: {s['machine']}" for _, r, s in evals if s.get("machine")}),
+                  *(f"- `{r}`: {s['looping']['turns']} of {s['turns']} answers loop (over "
+                    f"{s['looping']['threshold']:g} of their token 4-grams repeat one seen earlier); tau without them "
+                    f"{s['looping']['tau_without']:.2f}" for _, r, s in evals
+                    if s.get("looping", {}).get("turns") and s["looping"].get("tau_without") is not None), ""]
     else:
         lines += ["No eval of this head in the store yet.", ""]
     serve = []

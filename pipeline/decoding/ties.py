@@ -6,11 +6,11 @@ to the one emitted. Where no step parts, the answer is plain greedy decoding's o
 the same prefix and is computed alike). Where one parts, this module says whether the two forwards part at a
 numerical tie of the precision or the decoder emitted a token the target does not rank first.
 
-In fp32 the check is exact: a parting fails unless the two logits are exactly equal (the bound is 0). In bf16 (and fp16) the two cannot be promised equal token for token:
-the verification forward computes a position inside a block of tree tokens, the one-token forward computes it alone,
-and the two round differently. At a step where they part, the one-token forward ranks `a` first (logits z) and the
-speculative decoder emitted `b`. That is a numerical tie, not a bug, when the margin z_a - z_b is within what the two
-layouts' last roundings can move the two logits:
+In fp32 the check is exact: a parting fails unless the two logits are exactly equal (the bound is 0). In bf16 (and
+fp16) the two cannot be promised equal token for token: the verification forward computes a position inside a block
+of tree tokens, the one-token forward computes it alone, and the two round differently. At a step where they part,
+the one-token forward ranks `a` first (logits z) and the speculative decoder emitted `b`. That is a numerical tie,
+not a bug, when the margin z_a - z_b is within what the two layouts' last roundings can move the two logits:
 
     bound = sum over t in {a, b} of  ulp(z_t) + 2u * sum_i |W_ti| |h_i|
 
