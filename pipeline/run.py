@@ -58,9 +58,20 @@ def stage_main(stage: str):
     return importlib.import_module(STAGE_MODULES[str(stage)]).main
 
 
+def wire_stages() -> None:
+    """What one stage takes from another, given in this one place (stages never import each other): eval reads
+    an export folder (eval.head_dir) with the export stage's reader."""
+    from pipeline.eval.subjects import use_shipped_head_loader
+    from pipeline.export.exporter import load_shipped_head
+
+    use_shipped_head_loader(load_shipped_head)
+
+
 def run_stages(cfg: EagletConfig, trainer_hooks: Sequence[TrainerHook] = ()) -> None:
     """Runs cfg.stage (or every stage) under its output lock; `trainer_hooks` go to the train stage's Trainer."""
     stages = STAGES if cfg.stage == "all" else (str(cfg.stage),)  # `stage` is checked at compose time
+    if "eval" in stages and cfg.eval.head_dir:
+        wire_stages()
     if cfg.stage == "all" and cfg.train.source == "online":  # the training job computes the states itself
         stages = tuple(s for s in stages if s != "dump")
     mains = [(s, stage_main(s)) for s in stages]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -22,6 +22,16 @@ from pipeline.manifest import MANIFEST, TrainManifest
 from pipeline.target import head_target, load_target
 
 TREE_CHOICE = "tree_choice.json"
+
+# eval.head_dir: how an export folder becomes a head, the export stage's own reader (load_shipped_head). Stages never
+# import each other; the entry point gives it here (pipeline/run.py, `wire_stages`).
+_shipped_head_loader: Optional[Callable] = None
+
+
+def use_shipped_head_loader(loader: Callable) -> None:
+    """`loader(export_dir, target, allow_template_mismatch) -> (head, export manifest)`."""
+    global _shipped_head_loader
+    _shipped_head_loader = loader
 
 
 def fp32_baseline_model(cfg, target):
@@ -43,11 +53,12 @@ def build_drafter(cfg, target, subject: Optional[str] = None):
         info = {"name": "prompt_lookup", "kind": "prompt_lookup", "max_ngram": lk.max_ngram, "min_ngram": lk.min_ngram}
         return PromptLookupDrafter(lk.max_ngram, lk.min_ngram), info, []
     if cfg.eval.head_dir and subject == cfg.eval_subject:  # an exported head, as shipped
-        from pipeline.export.exporter import load_shipped_head  # (the export code: only for an export)
-
+        if _shipped_head_loader is None:
+            raise RuntimeError("eval.head_dir reads an export folder with the export stage's reader, which "
+                               "pipeline.run gives eval: run the stage through pipeline.run (run_stages)")
         head_dir = Path(cfg.eval.head_dir)
-        head, manifest = load_shipped_head(head_dir, head_target(target, cfg.target),
-                                           allow_template_mismatch=cfg.eval.allow_template_mismatch)
+        head, manifest = _shipped_head_loader(head_dir, head_target(target, cfg.target),
+                                              allow_template_mismatch=cfg.eval.allow_template_mismatch)
         head = head.to(device=target.device, dtype=target.dtype)
         trained = (manifest.inputs or [{}])[0].get("manifest_sha256")
         info = {"name": subject, "kind": head.config.kind, "export": str(head_dir), "export_format": manifest.format,
