@@ -2,8 +2,8 @@
 # The headline figures of the committed head, re-measured as shipped (docs/results/quality.md, the model card):
 # heads/smollm2-135m-instruct-eagle3 evaluated from its export folder (eval.head_dir) in fp32, where the greedy check
 # is exact, with the baseline (= the check) on every question, so every T=0 turn is proved to be the target's greedy
-# output. Each finished eval goes into the results store; a rerun skips nothing it has not finished (every eval
-# resumes from its answers.partial.jsonl in outputs/).
+# output. Each finished eval goes into the results store, and a rerun (a fresh machine too) skips what the store holds;
+# an unfinished eval resumes from its answers.partial.jsonl where outputs/ kept it.
 #
 #   nohup jobs/honest_tau.sh > honest_tau.log 2>&1 &       # ~45 min for MT-bench, ~5 min per 20-question set
 set -euo pipefail
@@ -21,6 +21,8 @@ for set in alpaca gsm8k humaneval qa sum; do
 done
 evals+=("eval.limit=20 eval.temperature=1 eval.baseline=false")       # sampling: no greedy path to check
 for e in "${evals[@]}"; do
+  # shellcheck disable=SC2086
+  if python -m pipeline.results has "$STORE" "${common[@]}" $e; then continue; fi  # the store holds it
   # shellcheck disable=SC2086
   python -m pipeline.run "${common[@]}" $e
   python -m pipeline.results save outputs/smollm2_quality_v2 "$STORE"
